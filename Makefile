@@ -1,0 +1,45 @@
+# metadist developer commands. `make install` then `make test` on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+
+.PHONY: install test soak lint format docs maml bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch is pinned to the CPU wheel on disk; a bare "torch" could pull a multi-GB CUDA build.
+install: $(PY)
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev,docs,examples]"
+
+test:
+	$(PY) -m pytest -m "not soak" tests
+
+soak:
+	$(PY) -m pytest -m soak tests
+
+lint:
+	$(VENV)/bin/ruff check metadist tests examples benchmarks docs
+	$(VENV)/bin/ruff format --check metadist tests examples benchmarks docs
+	$(VENV)/bin/mypy
+
+format:
+	$(VENV)/bin/ruff check --fix metadist tests examples benchmarks docs
+	$(VENV)/bin/ruff format metadist tests examples benchmarks docs
+
+docs:
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+
+maml:
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/maml/sinusoid.py
+
+bench:
+	$(PY) benchmarks/bench_remote.py
+	$(PY) benchmarks/bench_optim.py
+	$(PY) benchmarks/bench_maml.py
+
+clean:
+	rm -rf docs/_build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,198 @@
+"""The entry point: start RPC from the torchrun environment, run the job, shut down cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import ParamSpec, Protocol, TypeVar, cast
+
+import torch.distributed.rpc as rpc
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.rpc import RpcBackendOptions  # type: ignore[attr-defined]
+
+from metadist import network, world
+from metadist._quiet import quiet_torch_warnings
+from metadist.world import WorldInfo, default_worker_name_format
+
+__all__ = ["WorkerNameFormat", "auto_init_rpc", "default_worker_name_format"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+logger = logging.getLogger("metadist")
+
+
+class WorkerNameFormat(Protocol):
+    """A callable naming a worker from its ranks (called with keyword arguments)."""
+
+    def __call__(
+        self, *, world_rank: int, world_size: int, local_rank: int, local_world_size: int
+    ) -> str: ...
+
+
+def auto_init_rpc(
+    worker_init_fn: Callable[[], object] | None = None,
+    worker_name_format: WorkerNameFormat | Callable[..., str] = default_worker_name_format,
+    *,
+    backend: rpc.BackendType | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate the entry function of a job so that it runs inside an RPC world.
+
+    On every call the decorated function: reads the torchrun environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) —
+    with none of it, as under plain ``python script.py``, the job is a world of 1 —, starts RPC,
+    waits for every worker, runs ``worker_init_fn()``, waits again, runs the function, and shuts
+    RPC down gracefully in ``finally``: workers whose function returned keep serving requests
+    until every worker is done. Every rank runs the function; use :func:`metadist.rank_zero_only`
+    for the driver's part. Errors are recorded for torchelastic so that ``torchrun`` reports them.
+
+    Single-node jobs (loopback ``MASTER_ADDR``, or no torchrun) listen on loopback only. For a
+    remote ``MASTER_ADDR`` RPC listens on the interface that routes to it, unless
+    ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` are set (user-set values always win).
+
+    Args:
+        worker_init_fn: Called on every worker after RPC starts and before the function (seed,
+            set the device, load data).
+        worker_name_format: Names a worker from keyword arguments ``world_rank``,
+            ``world_size``, ``local_rank``, ``local_world_size``. The default gives
+            ``worker0 … workerN-1`` zero-padded so that name order equals rank order.
+        backend: RPC backend; ``None`` means TensorPipe.
+        rpc_backend_options: Options for the backend (timeouts, device maps). Its
+            ``init_method`` is replaced by metadist's loopback-only rendezvous for single-node
+            jobs when left at the default ``env://``.
+
+    Returns:
+        A decorator for the entry function.
+
+    Raises:
+        TypeError: ``worker_init_fn`` or ``worker_name_format`` is not callable.
+
+    Example:
+        >>> import metadist
+        >>> @metadist.auto_init_rpc()
+        ... def main():
+        ...     return metadist.get_world_size()
+        >>> main()  # plain python: a world of 1
+        1
+    """
+    if worker_init_fn is not None and not callable(worker_init_fn):
+        raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
+    if not callable(worker_name_format):
+        raise TypeError(f"worker_name_format must be callable, got {worker_name_format!r}")
+
+    def decorator(func: Callable[P, R]) -> Callable[P, R]:
+        if not callable(func):
+            raise TypeError(f"auto_init_rpc decorates a function, got {func!r}")
+
+        @functools.wraps(func)
+        def entry(*args: P.args, **kwargs: P.kwargs) -> R:
+            if world._RUNTIME is not None:  # already inside a world: just run
+                return func(*args, **kwargs)
+            return _run_in_world(
+                functools.partial(func, *args, **kwargs),
+                worker_init_fn,
+                worker_name_format,
+                backend,
+                rpc_backend_options,
+            )
+
+        # record() writes the error file torchrun reports; it keeps the signature.
+        return cast("Callable[P, R]", record(entry))
+
+    return decorator
+
+
+def _env_required(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(
+            f"environment variable {name} is not set, but WORLD_SIZE is: launch with torchrun, "
+            f"or set MASTER_ADDR and MASTER_PORT with RANK and WORLD_SIZE"
+        )
+    return value
+
+
+def _plan(info: WorldInfo, timeout: float) -> tuple[network.Binding, str]:
+    """Choose the interface to listen on and the rendezvous URL for this launch."""
+    if "WORLD_SIZE" not in os.environ:
+        binding = network.choose_binding("127.0.0.1")
+        return binding, f"{network.LOCAL_SCHEME}://"
+    master_addr = _env_required("MASTER_ADDR")
+    master_port = _env_required("MASTER_PORT")
+    binding = network.choose_binding(master_addr)
+    if binding.loopback and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # torch's rendezvous adds rank and world_size to the query itself.
+        return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"
+    if not binding.loopback:
+        logger.warning(
+            "metadist: worker %d listens for RPC on interface %s (%s), chosen to reach "
+            "MASTER_ADDR=%s; RPC is unauthenticated: run only on trusted networks",
+            info.world_rank,
+            os.environ.get("TP_SOCKET_IFNAME") or binding.ifname,
+            binding.address,
+            master_addr,
+        )
+    return binding, "env://"
+
+
+def _run_in_world(
+    job: Callable[[], R],
+    worker_init_fn: Callable[[], object] | None,
+    worker_name_format: Callable[..., str],
+    backend: rpc.BackendType | None,
+    options: RpcBackendOptions | None,
+) -> R:
+    info = world._world_info_from_env()
+    name = worker_name_format(
+        world_rank=info.world_rank,
+        world_size=info.world_size,
+        local_rank=info.local_rank,
+        local_world_size=info.local_world_size,
+    )
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"worker_name_format must return a non-empty str, got {name!r}")
+    if options is None:
+        options = rpc.TensorPipeRpcBackendOptions()
+    timeout = float(options.rpc_timeout)
+    binding, url = _plan(info, timeout)
+    if options.init_method == "env://":
+        options.init_method = url
+    network.install_rendezvous_handlers()
+    with network.socket_ifname_env(binding.ifname), quiet_torch_warnings():
+        rpc.init_rpc(
+            name,
+            backend=backend,
+            rank=info.world_rank,
+            world_size=info.world_size,
+            rpc_backend_options=options,
+        )
+    try:
+        world._activate(info, name, timeout)
+        if worker_init_fn is not None:
+            worker_init_fn()
+        world.barrier()
+        result = job()
+    except BaseException:
+        _shutdown(name, raise_errors=False)
+        raise
+    _shutdown(name, raise_errors=True)
+    return result
+
+
+def _shutdown(name: str, *, raise_errors: bool) -> None:
+    try:
+        with quiet_torch_warnings():
+            rpc.shutdown(graceful=True)
+    except Exception as error:
+        # A peer died: the graceful all-gather cannot complete. Tear down locally.
+        with contextlib.suppress(Exception):  # may already be down after the failed attempt
+            rpc.shutdown(graceful=False)
+        if raise_errors:
+            raise RuntimeError(f"RPC shutdown failed on worker {name!r}: {error}") from error
+        logger.warning("metadist: RPC shutdown failed on worker %r: %s", name, error)
+    finally:
+        world._deactivate()

@@ -1,0 +1,220 @@
+"""Where RPC listens: loopback for single-node runs, the interface that routes to the master else.
+
+RPC is unauthenticated and unpickles what it receives, so a single-node run must not listen on a
+public address. Two things listen in an RPC worker: TensorPipe (``TP_SOCKET_IFNAME``) with its
+internal Gloo group (``GLOO_SOCKET_IFNAME``), and, on rank 0 of a manual launch, the TCP store of
+the rendezvous, which torch binds to every interface. metadist pins the first two to the chosen
+interface and, for loopback runs, serves the store from a socket bound to ``127.0.0.1`` (torchrun
+runs hold the store in the torchrun agent instead, and a world of 1 needs no TCP store at all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from torch.distributed import HashStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.rendezvous import register_rendezvous_handler
+
+__all__ = [
+    "LOCAL_SCHEME",
+    "LOOPBACK_SCHEME",
+    "Binding",
+    "choose_binding",
+    "free_loopback_port",
+    "install_rendezvous_handlers",
+    "socket_ifname_env",
+]
+
+logger = logging.getLogger("metadist")
+
+LOCAL_SCHEME = "metadist-local"
+LOOPBACK_SCHEME = "metadist-loopback"
+_SIOCGIFADDR = 0x8915
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where this worker's RPC listens.
+
+    Attributes:
+        ifname: Network interface name for TensorPipe and Gloo (e.g. ``lo``, ``eth0``).
+        address: The IP address of that interface.
+        loopback: Whether the whole job runs on this host over loopback.
+    """
+
+    ifname: str
+    address: str
+    loopback: bool
+
+
+def _resolve(host: str) -> str:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise ValueError(f"MASTER_ADDR={host!r} does not resolve to an address: {error}") from None
+    # Prefer IPv4, the common case for torchrun and for TensorPipe's uv transport.
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return str(infos[0][4][0])
+
+
+def _ipv4_of(ifname: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(
+                sock.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15])
+            )
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _ipv6_addresses() -> dict[str, str]:
+    found: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as table:
+        for line in table:
+            fields = line.split()
+            address = str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))
+            found[address] = fields[-1]
+    return found
+
+
+def _interface_with_address(address: str) -> str | None:
+    if ipaddress.ip_address(address).version == 6:
+        return _ipv6_addresses().get(address)
+    for _, ifname in socket.if_nameindex():
+        if _ipv4_of(ifname) == address:
+            return ifname
+    return None
+
+
+def _route_source(address: str) -> str:
+    """The local address the kernel would use to reach ``address`` (no packet is sent)."""
+    family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect((address, 9))  # UDP connect only selects a route
+        return str(sock.getsockname()[0])
+
+
+def choose_binding(master_addr: str) -> Binding:
+    """Pick the interface to listen on for a job whose master is ``master_addr``.
+
+    Args:
+        master_addr: Host name or address of rank 0 (``MASTER_ADDR``).
+
+    Returns:
+        The binding: loopback when the master is a loopback address, else the interface that
+        routes to the master.
+
+    Raises:
+        ValueError: The address does not resolve, or no interface holds the route's address.
+
+    Example:
+        >>> choose_binding("127.0.0.1").loopback
+        True
+    """
+    resolved = _resolve(master_addr)
+    loopback = ipaddress.ip_address(resolved).is_loopback
+    source = "127.0.0.1" if loopback else _route_source(resolved)
+    ifname = _interface_with_address(source)
+    if ifname is None:
+        raise ValueError(
+            f"no network interface holds {source}, the address that routes to "
+            f"MASTER_ADDR={master_addr!r}; set TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME"
+        )
+    return Binding(ifname=ifname, address=source, loopback=loopback)
+
+
+@contextlib.contextmanager
+def socket_ifname_env(ifname: str) -> Iterator[None]:
+    """Set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` to ``ifname`` where the user has not.
+
+    Torch reads them while RPC starts; they are restored afterwards so that nothing else in the
+    process (or its children) inherits metadist's choice.
+
+    Args:
+        ifname: Interface name.
+
+    Example:
+        >>> with socket_ifname_env("lo"):
+        ...     pass
+    """
+    saved = {name: os.environ.get(name) for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+    for name, value in saved.items():
+        if not value:  # user-set values always win
+            os.environ[name] = ifname
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def free_loopback_port() -> int:
+    """Return a TCP port that is free on ``127.0.0.1`` right now.
+
+    Example:
+        >>> 0 < free_loopback_port() < 65536
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendezvous handlers: torch's env:// and tcp:// stores listen on every interface.
+
+
+def _local_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, int]]:
+    # A world of 1 rendezvous with itself: an in-process store, no listening socket.
+    yield HashStore(), 0, 1
+
+
+def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, int]]:
+    parsed = urlparse(url)
+    query = dict(part.split("=", 1) for part in parsed.query.split("&") if part)
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    timeout = datetime.timedelta(seconds=float(query.get("timeout", "300")))
+    port = int(parsed.port or 0)
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+        store = TCPStore(
+            "127.0.0.1", port, world_size, True, timeout, master_listen_fd=listener.detach()
+        )
+    else:
+        store = TCPStore("127.0.0.1", port, world_size, False, timeout)
+    yield store, rank, world_size
+
+
+_installed = False
+
+
+def install_rendezvous_handlers() -> None:
+    """Register metadist's ``metadist-local://`` and ``metadist-loopback://`` schemes (once).
+
+    Example:
+        >>> install_rendezvous_handlers()
+    """
+    global _installed
+    if _installed:
+        return
+    for scheme, handler in ((LOCAL_SCHEME, _local_handler), (LOOPBACK_SCHEME, _loopback_handler)):
+        with contextlib.suppress(RuntimeError):  # already registered by an earlier import
+            register_rendezvous_handler(scheme, handler)
+    _installed = True

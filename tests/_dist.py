@@ -1,0 +1,189 @@
+"""Helpers to run real multi-process RPC worlds from tests (no mocks of RPC).
+
+``run_world(fn, world_size, *args)`` spawns ``world_size`` processes over loopback; each runs
+``fn(rank, world_size, *args)`` inside :func:`metadist.auto_init_rpc`. A child's exception fails
+the test with the child's traceback; a world that outlives ``timeout`` is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+import metadist
+from metadist.network import free_loopback_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _child(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: Mapping[str, str],
+    init_kwargs: Mapping[str, Any],
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    metadist.auto_init_rpc(**init_kwargs)(fn)(rank, world_size, *args)
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    init_kwargs: Mapping[str, Any] | None = None,
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned RPC workers.
+
+    ``fn`` must be a module-level function of an importable module (it is pickled by reference).
+    """
+    port = free_loopback_port()
+    context = mp.start_processes(
+        _child,
+        args=(fn, world_size, port, args, dict(env or {}), dict(init_kwargs or {})),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"world of {world_size} running {fn.__name__} exceeded {timeout} s"
+                )
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+
+
+def run_torchrun(
+    script: str | os.PathLike[str],
+    nproc: int,
+    *script_args: str,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``torchrun --standalone --nproc_per_node=nproc script *script_args``; capture output.
+
+    The whole process group is killed if it outlives ``timeout`` (then ``TimeoutError``).
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *script_args,
+    ]
+    return run_command(command, timeout=timeout, env=env, cwd=cwd)
+
+
+def run_command(
+    command: Sequence[str],
+    *,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in its own process group, killing the whole group on timeout."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with subprocess.Popen(
+        list(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=cwd or REPO,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            raise TimeoutError(
+                f"{' '.join(command)} exceeded {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr}"
+            ) from None
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _decode_address(hex_address: str) -> str:
+    raw = bytes.fromhex(hex_address)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    # /proc prints IPv6 as four little-endian 32-bit words.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+    return socket.inet_ntop(socket.AF_INET6, words)
+
+
+def listening_addresses(pid: int | None = None) -> set[tuple[str, int]]:
+    """The (address, port) pairs on which process ``pid`` (default: self) listens for TCP."""
+    pid = os.getpid() if pid is None else pid
+    inodes = _socket_inodes(pid)
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # 0A = LISTEN
+                address, port = local.split(":")
+                found.add((_decode_address(address), int(port, 16)))
+    return found
+
+
+def non_loopback_listeners(pid: int | None = None) -> set[tuple[str, int]]:
+    """Listening sockets of ``pid`` bound to anything but a loopback address."""
+    import ipaddress
+
+    return {
+        (address, port)
+        for address, port in listening_addresses(pid)
+        if not ipaddress.ip_address(address).is_loopback
+    }

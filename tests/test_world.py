@@ -1,0 +1,355 @@
+"""World info, worker names, rank selectors, barrier and auto_init_rpc."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch.distributed.rpc as rpc
+from _dist import REPO, non_loopback_listeners, run_torchrun, run_world
+
+import metadist
+from metadist.world import default_worker_name_format
+
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: no RPC needed
+
+
+def test_world_info_read_from_environment_at_call_time(clean_env: pytest.MonkeyPatch) -> None:
+    assert metadist.get_world_info() == metadist.WorldInfo(0, 1, 0, 1)
+    clean_env.setenv("RANK", "3")
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setenv("LOCAL_RANK", "1")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "2")
+    info = metadist.get_world_info()
+    assert (info.world_rank, info.world_size, info.local_rank, info.local_world_size) == (
+        3,
+        4,
+        1,
+        2,
+    )
+    assert info.rank == 3
+    assert info.worker_name == "worker3"
+    assert metadist.get_rank() == metadist.get_world_rank() == 3
+    assert metadist.get_world_size() == 4
+    assert metadist.get_local_rank() == 1
+    assert metadist.get_local_world_size() == 2
+    # A manual single-node launch sets only RANK and WORLD_SIZE.
+    clean_env.delenv("LOCAL_RANK")
+    clean_env.delenv("LOCAL_WORLD_SIZE")
+    assert metadist.get_world_info() == metadist.WorldInfo(3, 4, 3, 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "pattern"),
+    [
+        ("RANK", "x", r"RANK='x' is not an integer"),
+        ("RANK", "7", r"RANK=7 must be in \[0, WORLD_SIZE=4\)"),
+        ("WORLD_SIZE", "0", r"WORLD_SIZE=0 must be >= 1"),
+        ("LOCAL_RANK", "5", r"LOCAL_RANK=5 must be in \[0, LOCAL_WORLD_SIZE=2\)"),
+    ],
+)
+def test_malformed_environment_is_named(
+    clean_env: pytest.MonkeyPatch, name: str, value: str, pattern: str
+) -> None:
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setenv("LOCAL_RANK", "1")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "2")
+    clean_env.setenv(name, value)
+    with pytest.raises(ValueError, match=pattern):
+        metadist.get_world_info()
+
+
+def test_default_worker_names_sort_like_ranks() -> None:
+    names = [
+        default_worker_name_format(world_rank=r, world_size=12, local_rank=0, local_world_size=1)
+        for r in range(12)
+    ]
+    assert names[0] == "worker00"
+    assert names[11] == "worker11"
+    assert sorted(names) == names
+    assert default_worker_name_format(
+        world_rank=0, world_size=1, local_rank=0, local_world_size=1
+    ) == ("worker0")
+    assert default_worker_name_format(
+        world_rank=9, world_size=10, local_rank=0, local_world_size=1
+    ) == ("worker9")
+
+
+def test_worker_id_without_rpc(clean_env: pytest.MonkeyPatch) -> None:
+    assert metadist.get_worker_id() == 0
+    assert metadist.get_worker_id(0) == 0
+    with pytest.raises(ValueError, match=r"unknown worker id 1: known worker ranks are 0\.\.0"):
+        metadist.get_worker_id(1)
+    with pytest.raises(TypeError, match=r"worker id must be an int rank, a worker name"):
+        metadist.get_worker_id(1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got True of type bool"):
+        metadist.get_worker_id(True)
+    with pytest.raises(
+        RuntimeError, match=r"Decorate the entry function with @metadist\.auto_init_rpc"
+    ):
+        metadist.get_worker_id("worker0")
+
+
+def test_rpc_apis_before_init_say_how_to_fix() -> None:
+    message = r"metadist\.barrier needs metadist's RPC world.*@metadist\.auto_init_rpc\(\)"
+    with pytest.raises(RuntimeError, match=message):
+        metadist.barrier()
+    with pytest.raises(RuntimeError, match=r"metadist\.get_worker_names needs"):
+        metadist.get_worker_names()
+
+
+def test_rank_selectors_in_world_of_one(clean_env: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    @metadist.rank_zero_only
+    def zero(x: int) -> int:
+        calls.append("zero")
+        return x + 1
+
+    @metadist.rank_non_zero_only
+    def non_zero() -> str:
+        calls.append("non_zero")
+        return "nz"
+
+    @metadist.on_rank(0)
+    def on0() -> str:
+        return "on0"
+
+    @metadist.not_on_rank(0)
+    def not0() -> str:
+        return "not0"
+
+    assert zero(1) == 2
+    assert zero.__name__ == "zero"  # functools.wraps keeps the identity
+    assert non_zero() is None
+    assert on0() == "on0"
+    assert not0() is None
+    assert calls == ["zero"]
+
+    @metadist.on_rank(0, 3)
+    def needs_four() -> None:
+        pass
+
+    with pytest.raises(ValueError, match=r"on_rank: ranks \[3\] do not exist in a world of size 1"):
+        needs_four()
+    # The rank is read at call time, not at decoration.
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    assert zero(1) is None
+    assert non_zero() == "nz"
+
+
+@pytest.mark.parametrize(
+    ("factory", "ranks", "pattern"),
+    [
+        (metadist.on_rank, (), r"on_rank needs at least one rank"),
+        (metadist.on_rank, (-1,), r"on_rank: ranks must be non-negative ints, got -1"),
+        (metadist.not_on_rank, ("0",), r"not_on_rank: ranks must be non-negative ints, got '0'"),
+        (metadist.on_rank, (True,), r"got True"),
+    ],
+)
+def test_rank_selectors_reject_bad_ranks(
+    factory: object, ranks: tuple[object, ...], pattern: str
+) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        factory(*ranks)  # type: ignore[operator]
+
+
+def test_auto_init_rpc_rejects_non_callables() -> None:
+    with pytest.raises(TypeError, match="worker_init_fn must be callable or None, got 3"):
+        metadist.auto_init_rpc(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="worker_name_format must be callable"):
+        metadist.auto_init_rpc(None, "worker{rank}")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# A world of 1 in this process (what `python script.py` gives)
+
+
+def test_world_of_one_in_process(clean_env: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def init() -> None:
+        seen["init_names"] = metadist.get_worker_names()
+
+    @metadist.auto_init_rpc()
+    def nested() -> tuple[str, ...]:
+        return metadist.get_worker_names()
+
+    @metadist.auto_init_rpc(init)
+    def main(x: int) -> int:
+        seen["names"] = metadist.get_worker_names()
+        seen["id"] = metadist.get_worker_id("worker0")
+        seen["name"] = metadist.get_worker_name()
+        seen["listeners"] = non_loopback_listeners()
+        metadist.barrier()
+        metadist.barrier(["worker0"])
+        metadist.barrier([0], timeout=5)
+        with pytest.raises(
+            ValueError, match=r"unknown worker name 'nobody': known workers are 0='worker0'"
+        ):
+            metadist.get_worker_id("nobody")
+        with pytest.raises(TypeError, match="wrap a single worker in a list"):
+            metadist.barrier("worker0")
+        with pytest.raises(ValueError, match="at least one worker"):
+            metadist.barrier([])
+        with pytest.raises(ValueError, match="timeout must be >= 0"):
+            metadist.barrier(timeout=-1)
+        assert nested() == ("worker0",)  # a nested decorated call runs inside the same world
+        return x + 1
+
+    assert main(41) == 42
+    assert seen["init_names"] == ("worker0",)
+    assert seen["names"] == ("worker0",)
+    assert seen["id"] == 0
+    assert seen["name"] == "worker0"
+    assert seen["listeners"] == set(), "a world of 1 must listen on loopback only"
+
+    # An exception in the job propagates and the world shuts down cleanly: a new one can start.
+    @metadist.auto_init_rpc()
+    def fails() -> None:
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        fails()
+    with pytest.raises(RuntimeError, match="needs metadist's RPC world"):
+        metadist.get_worker_names()
+    assert main(1) == 2
+    # The TorchScript / Gloo deprecation filters are local to metadist's calls.
+    assert not any("ProcessGroupGloo" in str(f) for f in __import__("warnings").filters)
+
+
+# ---------------------------------------------------------------------------------------------
+# A spawned world of 3
+
+
+def _custom_name(
+    *, world_rank: int, world_size: int, local_rank: int, local_world_size: int
+) -> str:
+    return f"trainer-{world_rank}-of-{world_size}-local{local_rank}"
+
+
+_INIT_CALLED = False
+
+
+def _mark_init() -> None:
+    global _INIT_CALLED
+    _INIT_CALLED = True
+
+
+def _worker_state() -> tuple[bool, metadist.WorldInfo, str, set[tuple[str, int]]]:
+    info = metadist.get_world_info()
+    return _INIT_CALLED, info, metadist.get_worker_name(), non_loopback_listeners()
+
+
+def _slow_barrier(delay: float) -> float:
+    time.sleep(delay)
+    return time.monotonic()
+
+
+def run_world_checks(rank: int, world_size: int) -> None:
+    names = metadist.get_worker_names()
+    assert names == tuple(
+        _custom_name(world_rank=r, world_size=3, local_rank=r, local_world_size=3) for r in range(3)
+    )
+    info = metadist.get_world_info()
+    assert info == metadist.WorldInfo(rank, world_size, rank, world_size)
+    assert info.worker_name == names[rank]
+    assert metadist.get_worker_id(names[2]) == 2
+    assert metadist.get_worker_id(1) == 1
+    with pytest.raises(ValueError, match=r"unknown worker id 3: known workers are 0='trainer-0"):
+        metadist.get_worker_id(3)
+
+    @metadist.on_rank(1, 2)
+    def on12() -> int:
+        return rank
+
+    @metadist.not_on_rank(1)
+    def not1() -> int:
+        return rank
+
+    assert on12() == (rank if rank in (1, 2) else None)
+    assert not1() == (None if rank == 1 else rank)
+    assert metadist.rank_zero_only(lambda: "r0")() == ("r0" if rank == 0 else None)
+
+    # Full barrier: everyone leaves after the slowest arrives.
+    time.sleep(0.3 * rank)
+    start = time.monotonic()
+    metadist.barrier()
+    if rank == 0:
+        assert time.monotonic() - start >= 0.45  # waited for rank 2's 0.6 s
+    # Subset barrier between ranks 0 and 2; rank 1 is not involved.
+    if rank in (0, 2):
+        metadist.barrier([names[0], 2])
+    # A barrier a worker never joins times out with a clear error instead of hanging or passing.
+    if rank in (0, 1):
+        with pytest.raises(TimeoutError, match=r"barrier over .* timed out after 1\.0 s"):
+            metadist.barrier(timeout=1.0)
+    if rank == 1:
+        with pytest.raises(
+            ValueError, match=r"this worker \('trainer-1-of-3-local1'\) must be one of"
+        ):
+            metadist.barrier([0, 2])
+    if rank == 0:
+        # Every worker ran worker_init_fn before the job, and listens on loopback only.
+        for other in range(world_size):
+            init_called, other_info, name, listeners = rpc.rpc_sync(names[other], _worker_state)
+            assert init_called, f"worker_init_fn did not run on {name}"
+            assert other_info.world_rank == other
+            assert name == names[other]
+            assert listeners == set(), f"{name} listens on non-loopback {listeners}"
+        assert non_loopback_listeners() == set()
+
+
+@pytest.mark.timeout(120)
+def test_spawned_world_of_three() -> None:
+    run_world(
+        run_world_checks,
+        3,
+        timeout=100,
+        init_kwargs={"worker_init_fn": _mark_init, "worker_name_format": _custom_name},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: the README quickstart runs as written
+
+
+def _readme_quickstart() -> str:
+    readme = (REPO / "README.md").read_text()
+    match = re.search(r"<!-- quickstart -->\s*```python\n(.*?)```", readme, re.S)
+    assert match, "README.md must contain the quickstart python block after <!-- quickstart -->"
+    return match.group(1)
+
+
+@pytest.mark.timeout(120)
+def test_readme_quickstart_under_torchrun(tmp_path: os.PathLike[str]) -> None:
+    script = os.path.join(tmp_path, "quickstart.py")
+    with open(script, "w") as f:
+        f.write(_readme_quickstart())
+    result = run_torchrun(script, 2, timeout=100)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("mean loss")]
+    assert len(lines) == 1, result.stdout  # printed by rank 0 only
+    assert "Warning" not in result.stderr, result.stderr
