@@ -184,15 +184,22 @@ def _run_in_world(
 
 
 def _shutdown(name: str, *, raise_errors: bool) -> None:
+    dead: list[str] = []
     try:
-        with quiet_torch_warnings():
-            rpc.shutdown(graceful=True)
+        dead = world._finish()
+        if not dead:
+            with quiet_torch_warnings():
+                rpc.shutdown(graceful=True)
     except Exception as error:
-        # A peer died: the graceful all-gather cannot complete. Tear down locally.
-        with contextlib.suppress(Exception):  # may already be down after the failed attempt
-            rpc.shutdown(graceful=False)
-        if raise_errors:
-            raise RuntimeError(f"RPC shutdown failed on worker {name!r}: {error}") from error
-        logger.warning("metadist: RPC shutdown failed on worker %r: %s", name, error)
+        dead = dead or [f"(unknown: {error})"]
     finally:
+        if dead:
+            # A peer is gone: the graceful all-gather cannot complete. Tear down locally.
+            with contextlib.suppress(Exception):
+                rpc.shutdown(graceful=False)
         world._deactivate()
+    if dead:
+        message = f"RPC shutdown on worker {name!r}: workers {dead} died before the job finished"
+        if raise_errors:
+            raise RuntimeError(message)
+        logger.warning("metadist: %s", message)

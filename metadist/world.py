@@ -193,6 +193,47 @@ def _deactivate() -> None:
         _PENDING.clear()
 
 
+def _ping() -> bool:
+    return True
+
+
+def _finish(poll: float = 2.0) -> list[str]:
+    """Wait until every worker finished its job; return the names of workers found dead.
+
+    torch's graceful shutdown waits forever for a worker that died. Here each worker announces
+    that it is done to rank 0 and, while waiting for the others, pings the workers that have not
+    finished: a peer whose connection is gone (killed, crashed) ends the wait. A peer that is
+    alive but busy (a ping timing out) is waited for, since rank 0 may train for hours.
+    """
+    runtime = _runtime("metadist shutdown")
+    info = runtime.info
+    future = rpc.rpc_async(
+        0, _arrive, args=(("<done>",), info.world_size, info.world_rank, None), timeout=0
+    )
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    while not done.wait(poll):
+        dead = []
+        for rank, name in enumerate(runtime.names):
+            if rank == info.world_rank or (info.world_rank == 0 and _has_arrived(rank)):
+                continue
+            try:
+                rpc.rpc_sync(rank, _ping, timeout=max(poll, 5.0))
+            except RuntimeError as error:
+                if "timeout" not in str(error).lower():
+                    dead.append(name)
+        if dead:
+            return dead
+    future.wait()
+    return []
+
+
+def _has_arrived(rank: int) -> bool:
+    with _PENDING_LOCK:
+        entry = _PENDING.get(("<done>",))
+        return entry is not None and rank in entry[1]
+
+
 def require_rpc(api_name: str) -> None:
     """Raise the standard error if metadist's RPC world is not running.
 
