@@ -6,6 +6,7 @@ A layer over ``torch.distributed.rpc`` and distributed autograd whose names foll
 
 from __future__ import annotations
 
+from metadist import optim
 from metadist.launch import auto_init_rpc, default_worker_name_format
 from metadist.world import (
     WorldInfo,
@@ -43,6 +44,7 @@ __all__ = [
     "get_world_size",
     "not_on_rank",
     "on_rank",
+    "optim",
     "rank_non_zero_only",
     "rank_zero_only",
 ]

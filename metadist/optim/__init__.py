@@ -1,0 +1,52 @@
+"""Optimizers for metadist: functional (TorchScript-compatible) and distributed.
+
+* One functional optimizer per algorithm (:class:`FunctionalSGD`, :class:`FunctionalAdam`, ...):
+  ``step(gradients)`` with an explicit gradient list, usable eagerly or compiled.
+* :class:`QHM`: quasi-hyperbolic momentum as a ``torch.optim.Optimizer``, with its functional
+  twin :class:`FunctionalQHM`.
+* :class:`DistributedOptimizer`: steps parameters on their owners from a distributed-autograd
+  context; :class:`DistributedGradScaler` and :func:`clip_grad_norm_` work across owners.
+* :func:`register_functional_optimizer`: plug in a functional twin for your own optimizer.
+
+Nothing is compiled at import; scripting happens on first use of ``mode="scripted"``.
+"""
+
+from __future__ import annotations
+
+from metadist.optim.distributed import DistributedOptimizer, clip_grad_norm_
+from metadist.optim.functional import (
+    FunctionalAdadelta,
+    FunctionalAdagrad,
+    FunctionalAdam,
+    FunctionalAdamax,
+    FunctionalAdamW,
+    FunctionalQHM,
+    FunctionalRMSprop,
+    FunctionalRprop,
+    FunctionalSGD,
+)
+from metadist.optim.grad_scaler import DistributedGradScaler
+from metadist.optim.qhm import QHM, qhm
+from metadist.optim.registry import get_functional_optimizer, register_functional_optimizer
+from metadist.optim.scripting import ScriptedFunctionalOptimizer, script_functional_optimizer
+
+__all__ = [
+    "DistributedGradScaler",
+    "DistributedOptimizer",
+    "FunctionalAdadelta",
+    "FunctionalAdagrad",
+    "FunctionalAdam",
+    "FunctionalAdamW",
+    "FunctionalAdamax",
+    "FunctionalQHM",
+    "FunctionalRMSprop",
+    "FunctionalRprop",
+    "FunctionalSGD",
+    "QHM",
+    "ScriptedFunctionalOptimizer",
+    "clip_grad_norm_",
+    "get_functional_optimizer",
+    "qhm",
+    "register_functional_optimizer",
+    "script_functional_optimizer",
+]

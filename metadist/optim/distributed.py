@@ -1,0 +1,668 @@
+"""The distributed optimizer: parameters stay on their owners, and so does the optimizer state.
+
+:class:`DistributedOptimizer` is a drop-in for ``torch.distributed.optim.DistributedOptimizer``
+(same constructor, same ``step(context_id)``) that also has ``param_groups`` for learning-rate
+schedulers, ``state_dict``/``load_state_dict``, gradient accumulation, a shard-aware gradient
+scaler (:class:`metadist.optim.DistributedGradScaler`) and global-norm clipping
+(:func:`clip_grad_norm_`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch import Tensor
+from torch.futures import Future
+
+from metadist.optim import _local
+from metadist.optim.registry import get_functional_optimizer
+from metadist.world import get_worker_name, get_worker_names, require_rpc
+
+__all__ = ["DEFAULT_TIMEOUT", "DistributedOptimizer", "clip_grad_norm_"]
+
+#: Seconds any single optimizer request (and an owner's lock wait) may take.
+DEFAULT_TIMEOUT = 60.0
+_UNSUPPORTED_FLAGS = ("capturable", "differentiable")
+# rpc.remote returns the C++ PyRRef; rpc.RRef is the typing-friendly Python subclass.
+_RREF_TYPES = (rpc.RRef, rpc.PyRRef)  # type: ignore[attr-defined]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Optimize parameters that live on several workers, each owner stepping its own share.
+
+    The constructor groups ``params_rref`` by owner and creates one local optimizer on every owner
+    (one request each). ``step(context_id)`` sends one request per owner; each owner reads its
+    gradients of that distributed-autograd context with
+    ``torch.distributed.autograd.get_gradients`` and updates its parameters in place. A parameter
+    with no gradient in the context is left untouched (no stale ``.grad`` is ever re-applied), and
+    concurrent ``step`` calls from several trainer threads are serialized per owner.
+
+    Each owner runs the functional twin of ``optimizer_class`` (see
+    :func:`register_functional_optimizer`) in one of two modes:
+
+    * ``"eager"``: plain Python calling torch's fastest CPU kernels: ``fused`` where torch has one
+      (SGD, Adam, AdamW, Adagrad on floating-point CPU parameters), otherwise ``foreach``
+      (multi-tensor) when the owner holds many small parameters (mean size <= 32,768 elements),
+      otherwise the per-tensor loop. Kernels release the GIL while they run.
+    * ``"scripted"``: the functional optimizer compiled with ``torch.jit.script`` (on first use,
+      cached per class) and stepped without the GIL, the recipe's route for multithreaded
+      parameter servers. It uses the per-tensor loop and is slower than ``"eager"`` on CPU.
+    * ``"auto"`` (default): ``"eager"`` for functional classes that accept ``foreach``/``fused``
+      (all of metadist's), ``"scripted"`` for user-registered ones that do not.
+
+    Pass ``mode`` as one string for every owner or as a mapping from worker name or rank to
+    mode (unlisted owners use ``"auto"``). An ``optimizer_class`` with no functional twin runs as
+    itself on each owner (``.grad`` is set from the context for exactly the parameters that have
+    a gradient, and cleared afterwards).
+
+    The object is a ``torch.optim.Optimizer`` with one param group, so
+    ``torch.optim.lr_scheduler`` schedulers drive it: the group's float hyperparameters (``lr``,
+    ``momentum``, ``betas``, ``weight_decay``, ...) are sent with every step and reach every
+    owner. Its ``state`` attribute stays empty: the state lives on the owners; ``state_dict()``
+    gathers it in ``torch.optim`` format.
+
+    Args:
+        optimizer_class: A ``torch.optim.Optimizer`` subclass (e.g. ``torch.optim.Adam`` or
+            :class:`metadist.optim.QHM`) or a registered functional class.
+        params_rref: RRefs to the parameters (leaf tensors) on their owners; any mix of owners.
+        *args: Positional hyperparameters for ``optimizer_class`` (after ``params``).
+        mode: ``"auto"``, ``"eager"``, ``"scripted"``, or a mapping worker -> mode.
+        backward_passes_per_step: Accumulate the gradients of this many contexts (one per
+            ``step`` call) and update on the last of them.
+        average_accumulated: Divide the accumulated gradients by ``backward_passes_per_step``
+            (the "larger batch" rule) instead of summing them.
+        timeout: Seconds each request may take (and each owner waits for its lock).
+        **kwargs: Keyword hyperparameters for ``optimizer_class``.
+
+    Raises:
+        RuntimeError: If metadist's RPC world is not running.
+        TypeError: If ``optimizer_class`` is not a class or ``params_rref`` holds a non-RRef.
+        ValueError: On an empty or duplicated ``params_rref``, an unknown owner or ``mode``,
+            ``backward_passes_per_step < 1``, or hyperparameters ``optimizer_class`` rejects.
+            All checked before any request is sent.
+
+    Example:
+        >>> # doctest: +SKIP
+        >>> import torch, torch.distributed.autograd as dist_autograd
+        >>> import torch.distributed.rpc as rpc
+        >>> from metadist.optim import DistributedOptimizer
+        >>> w = rpc.remote("worker1", torch.ones, args=(3,), kwargs={"requires_grad": True})
+        >>> opt = DistributedOptimizer(torch.optim.Adam, [w], lr=0.1)
+        >>> with dist_autograd.context() as cid:
+        ...     loss = rpc.rpc_sync("worker1", torch.sum, args=(w.to_here(),))
+        ...     dist_autograd.backward(cid, [loss])
+        ...     opt.step(cid)
+    """
+
+    def __init__(
+        self,
+        optimizer_class: type,
+        params_rref: Sequence[rpc.RRef[Tensor]],
+        *args: Any,
+        mode: str | Mapping[str | int, str] = "auto",
+        backward_passes_per_step: int = 1,
+        average_accumulated: bool = True,
+        timeout: float = DEFAULT_TIMEOUT,
+        **kwargs: Any,
+    ) -> None:
+        require_rpc("DistributedOptimizer")
+        if not isinstance(optimizer_class, type):
+            raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+        if isinstance(params_rref, _RREF_TYPES) or not isinstance(params_rref, Sequence):
+            raise TypeError(
+                f"params_rref must be a list of RRefs to parameters, got {type(params_rref)!r}"
+            )
+        if len(params_rref) == 0:
+            raise ValueError("params_rref is empty; pass at least one parameter RRef")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
+            )
+        if not (isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        known = get_worker_names()
+        seen: set[int] = set()
+        for i, rref in enumerate(params_rref):
+            if not isinstance(rref, _RREF_TYPES):
+                raise TypeError(f"params_rref[{i}] must be an RRef, got {type(rref).__name__}")
+            if id(rref) in seen:
+                raise ValueError(f"params_rref[{i}] is listed twice; pass each parameter once")
+            seen.add(id(rref))
+            owner = rref.owner().name
+            if owner not in known:
+                raise ValueError(
+                    f"params_rref[{i}] is owned by {owner!r}, which is not a worker of this world "
+                    f"(workers: {', '.join(known)})"
+                )
+        modes = _resolve_modes(mode, {r.owner().name for r in params_rref})
+
+        functional_class = get_functional_optimizer(optimizer_class)
+        if functional_class is optimizer_class:
+            group = _functional_group(optimizer_class, args, kwargs)
+            local_class = optimizer_class
+        else:
+            group = _torch_group(optimizer_class, args, kwargs)
+            local_class = optimizer_class
+        for flag in _UNSUPPORTED_FLAGS:
+            if group.get(flag):
+                raise ValueError(
+                    f"{flag}={group[flag]!r} is not supported by DistributedOptimizer "
+                    "(owners step outside autograd and graph capture)"
+                )
+
+        self.optimizer_class = optimizer_class
+        self.functional_class = functional_class
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_accumulated = average_accumulated
+        self.timeout = float(timeout)
+        self.params_rref = list(params_rref)
+        # torch.optim.Optimizer surface (deliberately not calling its __init__: it wants local
+        # tensors). One group; "params" holds the RRefs.
+        self.defaults = dict(group)
+        self.param_groups: list[dict[str, Any]] = [{**group, "params": self.params_rref}]
+        self.state: defaultdict[Any, Any] = defaultdict(dict)
+        self._passes = 0
+        self._coef: dict[int, float] = {}
+        self._caller_lock = threading.Lock()
+
+        me = get_worker_name()
+        per_owner: dict[str, list[int]] = {}
+        for i, rref in enumerate(self.params_rref):
+            per_owner.setdefault(rref.owner().name, []).append(i)
+        self._owner_indices = per_owner
+        ctor_kwargs = {k: v for k, v in group.items() if k not in ("params",)}
+        futures: dict[str, Future[Any]] = {}
+        for owner, indices in per_owner.items():
+            if owner == me:
+                continue
+            futures[owner] = rpc.rpc_async(
+                owner,
+                _local.new_local_optimizer,
+                args=(
+                    local_class,
+                    functional_class,
+                    [self.params_rref[i] for i in indices],
+                    ctor_kwargs,
+                    modes[owner],
+                    backward_passes_per_step,
+                    average_accumulated,
+                    self.timeout,
+                ),
+                timeout=self.timeout,
+            )
+        self._local: _local._LocalOptimizer | None = None
+        if me in per_owner:
+            self._local = _local.make_local_optimizer(
+                local_class,
+                functional_class,
+                [self.params_rref[i] for i in per_owner[me]],
+                ctor_kwargs,
+                modes[me],
+                backward_passes_per_step,
+                average_accumulated,
+                self.timeout,
+            )
+        created = _wait_all(futures)
+        # The RRefs keep the owners' optimizers alive; requests address them by key.
+        self._remote_rrefs = {o: rref for o, (rref, _) in created.items()}
+        self._remote: dict[str, int] = {o: key for o, (_, key) in created.items()}
+
+    # -- torch.optim.Optimizer surface -----------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("DistributedOptimizer cannot be pickled; use state_dict() instead")
+
+    def __repr__(self) -> str:
+        hyper = ", ".join(f"{k}={v!r}" for k, v in self.param_groups[0].items() if k != "params")
+        return (
+            f"DistributedOptimizer({self.optimizer_class.__name__}, "
+            f"{len(self.params_rref)} params on {len(self._owner_indices)} owners, {hyper})"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Do nothing: distributed-autograd gradients live in their context, not in ``.grad``.
+
+        Args:
+            set_to_none: Ignored; kept for ``torch.optim.Optimizer`` compatibility.
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> opt.zero_grad()  # a no-op; each context starts with no gradients
+        """
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: a DistributedOptimizer has exactly one param group.
+
+        Args:
+            param_group: Ignored.
+
+        Raises:
+            NotImplementedError: Always.
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> opt.add_param_group({"params": []})  # raises NotImplementedError
+        """
+        raise NotImplementedError(
+            "DistributedOptimizer has one param group; create a second DistributedOptimizer "
+            "for parameters that need different hyperparameters"
+        )
+
+    @property
+    def next_step_applies(self) -> bool:
+        """Whether the next ``step`` updates the parameters (last pass of an accumulation window).
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> if opt.next_step_applies:
+            ...     clip_grad_norm_(opt, cid, max_norm=1.0)
+        """
+        return self._passes + 1 >= self.backward_passes_per_step
+
+    def describe(self) -> dict[str, tuple[str, str, int]]:
+        """Return, per owner, the mode and kernel chosen there and how many parameters it holds.
+
+        Returns:
+            ``{worker_name: (mode, kernel, num_params)}``, mode ``"eager"``/``"scripted"``/
+            ``"torch"`` and kernel ``"fused"``/``"foreach"``/``"single-tensor"``/``"torch.optim"``.
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> opt.describe()
+            {'worker0': ('eager', 'fused', 2), 'worker1': ('eager', 'fused', 3)}
+        """
+        futures = {
+            o: rpc.rpc_async(o, _local.local_describe, args=(r,), timeout=self.timeout)
+            for o, r in self._remote.items()
+        }
+        out: dict[str, tuple[str, str, int]] = {}
+        if self._local is not None:
+            out[get_worker_name()] = self._local.describe()
+        out.update(_wait_all(futures))
+        return out
+
+    def step(self, context_id: int) -> None:  # type: ignore[override]
+        """Apply the gradients of ``context_id`` on every owner (one request per owner).
+
+        With ``backward_passes_per_step = N > 1`` the first ``N - 1`` calls only accumulate (on
+        the owners) and the ``N``-th updates the parameters.
+
+        Args:
+            context_id: A distributed-autograd context id created in this process.
+
+        Raises:
+            ValueError: If ``context_id`` is not a live context of this process (checked before
+                any request).
+            TimeoutError: If an owner's lock could not be taken in ``timeout`` seconds.
+            RuntimeError: If a request failed or timed out (with the owner's error).
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> with dist_autograd.context() as cid:
+            ...     dist_autograd.backward(cid, [loss])
+            ...     opt.step(cid)
+        """
+        _check_context(context_id)
+        self._acquire_caller()
+        try:
+            self._passes += 1
+            apply = self._passes >= self.backward_passes_per_step
+            if apply:
+                self._passes = 0
+            coef = self._coef.pop(context_id, 1.0)
+            if apply:
+                self._coef.clear()
+        finally:
+            self._caller_lock.release()
+        self._broadcast_step(context_id, apply, coef, skip=False)
+
+    def skip(self, context_id: int) -> None:
+        """Drop the gradients of ``context_id`` and of the current accumulation window everywhere.
+
+        Used by :class:`DistributedGradScaler` when any owner found an inf/NaN.
+
+        Args:
+            context_id: A distributed-autograd context id created in this process.
+
+        Raises:
+            ValueError: If ``context_id`` is not a live context of this process.
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> opt.skip(cid)  # no owner updates; the accumulation window restarts
+        """
+        _check_context(context_id)
+        self._acquire_caller()
+        try:
+            self._passes = 0
+            self._coef.clear()
+        finally:
+            self._caller_lock.release()
+        self._broadcast_step(context_id, False, 1.0, skip=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Gather the owners' state into one ``torch.optim``-format state dict on the caller.
+
+        Parameter ``i`` of the dict is ``params_rref[i]``. Loading the result back with
+        :meth:`load_state_dict` resumes bit-exactly on CPU.
+
+        Returns:
+            ``{"state": {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``.
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> torch.save(opt.state_dict(), "opt.pt")
+        """
+        futures = {
+            o: rpc.rpc_async(o, _local.local_state, args=(r,), timeout=self.timeout)
+            for o, r in self._remote.items()
+        }
+        per_owner: dict[str, list[dict[str, Tensor] | None]] = {}
+        if self._local is not None:
+            per_owner[get_worker_name()] = self._local.state()
+        per_owner.update(_wait_all(futures))
+        state: dict[int, dict[str, Any]] = {}
+        for owner, indices in self._owner_indices.items():
+            for i, entry in zip(indices, per_owner[owner], strict=True):
+                if entry is not None:
+                    state[i] = entry
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(self.params_rref)))
+        return {"state": dict(sorted(state.items())), "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Send the state of a :meth:`state_dict` result back to the owners.
+
+        Also restores the param group's hyperparameters (``lr``, ``initial_lr``, ...).
+
+        Args:
+            state_dict: A dict from :meth:`state_dict` (or a ``torch.optim`` state dict of the
+                same algorithm over the same parameters, in ``params_rref`` order).
+
+        Raises:
+            ValueError: If the dict does not have one param group over exactly
+                ``len(params_rref)`` parameters, or a state index is out of range. Checked
+                before any request.
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> opt.load_state_dict(torch.load("opt.pt"))
+        """
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError(
+                "state_dict must be a dict with 'state' and 'param_groups', got "
+                f"{type(state_dict).__name__} with keys {list(state_dict)[:5]!r}"
+                if isinstance(state_dict, Mapping)
+                else f"state_dict must be a dict, got {type(state_dict).__name__}"
+            )
+        groups = state_dict["param_groups"]
+        n = len(self.params_rref)
+        if len(groups) != 1 or len(groups[0].get("params", ())) != n:
+            raise ValueError(
+                f"state_dict must have 1 param group over {n} parameters, got "
+                f"{len(groups)} group(s) with {[len(g.get('params', ())) for g in groups]} params"
+            )
+        order = {pid: i for i, pid in enumerate(groups[0]["params"])}
+        states: dict[int, dict[str, Any]] = {}
+        for key, value in state_dict["state"].items():
+            if key not in order:
+                raise ValueError(
+                    f"state_dict['state'] has an entry for parameter {key!r}, which is not in "
+                    f"its param group (0..{n - 1})"
+                )
+            states[order[key]] = value
+        futures: dict[str, Future[Any]] = {}
+        for owner, indices in self._owner_indices.items():
+            chunk = [states.get(i) for i in indices]
+            if owner in self._remote:
+                futures[owner] = rpc.rpc_async(
+                    owner,
+                    _local.local_load_state,
+                    args=(self._remote[owner], chunk),
+                    timeout=self.timeout,
+                )
+            else:
+                assert self._local is not None
+                self._local.load_state(chunk)
+        _wait_all(futures)
+        group = {k: v for k, v in groups[0].items() if k != "params"}
+        self.param_groups[0].update(group)
+        self._passes = 0
+        self._coef.clear()
+
+    def clip_grad_norm_(
+        self,
+        context_id: int,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> Tensor:
+        """Clip the gradients of ``context_id`` by their global norm over all owners.
+
+        Same as :func:`clip_grad_norm_` (which see).
+
+        Args:
+            context_id: A distributed-autograd context id created in this process.
+            max_norm: Largest allowed total norm.
+            norm_type: Order of the norm (``float("inf")`` for the max norm).
+            error_if_nonfinite: Raise if the total norm is inf or NaN.
+
+        Returns:
+            The total norm before clipping (0-dim float tensor).
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> total = opt.clip_grad_norm_(cid, max_norm=1.0)
+        """
+        return clip_grad_norm_(self, context_id, max_norm, norm_type, error_if_nonfinite)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _acquire_caller(self) -> None:
+        if not self._caller_lock.acquire(timeout=self.timeout):
+            raise TimeoutError(f"timed out after {self.timeout}s waiting for the optimizer lock")
+
+    def _hparams(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in self.param_groups[0].items():
+            if key in ("params", "initial_lr") or isinstance(value, bool) or value is None:
+                continue
+            if isinstance(value, int | float):
+                out[key] = float(value)
+            elif isinstance(value, Tensor) and value.numel() == 1:
+                out[key] = float(value.item())
+            elif isinstance(value, tuple) and key in _local.TUPLE_KEYS:
+                out[key] = tuple(float(v) for v in value)
+        return out
+
+    def _broadcast_step(self, context_id: int, apply: bool, coef: float, skip: bool) -> None:
+        hparams = self._hparams()
+        futures = {
+            o: rpc.rpc_async(
+                o,
+                _local.local_step,
+                args=(r, context_id, apply, hparams, coef, skip),
+                timeout=self.timeout,
+            )
+            for o, r in self._remote.items()
+        }
+        error: BaseException | None = None
+        if self._local is not None:
+            try:
+                self._local.step(context_id, apply, hparams, coef, skip)
+            except BaseException as exc:  # still collect the owners' replies
+                error = exc
+        _wait_all(futures)
+        if error is not None:
+            raise error
+
+    def _stage(
+        self, context_id: int, inv_scale: float | None, norm_type: float | None
+    ) -> list[tuple[bool, Tensor | None]]:
+        """Stage the gradients the next ``step(context_id)`` will use; return per-owner results."""
+        _check_context(context_id)
+        apply = self.next_step_applies
+        futures = {
+            o: rpc.rpc_async(
+                o,
+                _local.local_stage,
+                args=(r, context_id, apply, inv_scale, norm_type),
+                timeout=self.timeout,
+            )
+            for o, r in self._remote.items()
+        }
+        results: list[tuple[bool, Tensor | None]] = []
+        if self._local is not None:
+            results.append(self._local.stage(context_id, apply, inv_scale, norm_type))
+        results.extend(_wait_all(futures).values())
+        return results
+
+
+def clip_grad_norm_(
+    optimizer: DistributedOptimizer,
+    context_id: int,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """Clip the gradients the next ``optimizer.step(context_id)`` applies, by their global norm.
+
+    The norm is taken over the gradients of every owner (one request per owner), exactly as
+    ``torch.nn.utils.clip_grad_norm_`` would over the same gradients in one process:
+    ``coef = min(1, max_norm / (total_norm + 1e-6))``. The gradients are scaled on the owners
+    when ``step`` runs (the context's own gradient tensors are not modified). With gradient
+    accumulation, call it when ``optimizer.next_step_applies`` is true, so that the accumulated
+    gradients are clipped; with a :class:`DistributedGradScaler`, call ``scaler.unscale_`` first.
+
+    Args:
+        optimizer: The :class:`DistributedOptimizer` whose parameters' gradients to clip.
+        context_id: A distributed-autograd context id created in this process.
+        max_norm: Largest allowed total norm (``> 0``).
+        norm_type: Order of the norm, ``> 0`` or ``float("inf")``.
+        error_if_nonfinite: Raise if the total norm is inf or NaN.
+
+    Returns:
+        The total norm of the gradients before clipping (0-dim float tensor).
+
+    Raises:
+        TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+        ValueError: On a non-positive ``max_norm`` or ``norm_type`` or an unknown context.
+        RuntimeError: If ``error_if_nonfinite`` and the total norm is not finite.
+
+    Example:
+        >>> # doctest: +SKIP
+        >>> with dist_autograd.context() as cid:
+        ...     dist_autograd.backward(cid, [loss])
+        ...     total = clip_grad_norm_(opt, cid, max_norm=1.0)
+        ...     opt.step(cid)
+    """
+    if not isinstance(optimizer, DistributedOptimizer):
+        raise TypeError(
+            f"optimizer must be a metadist DistributedOptimizer, got {type(optimizer).__name__}"
+        )
+    if not isinstance(max_norm, int | float) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    if not isinstance(norm_type, int | float) or not norm_type > 0:
+        raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
+    results = optimizer._stage(context_id, None, float(norm_type))
+    norms = [n for _, n in results if n is not None]
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), float(norm_type))
+    previous = optimizer._coef.get(context_id, 1.0)
+    total = total * previous
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients of context {context_id} is "
+            f"{float(total)}; set error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    optimizer._coef[context_id] = previous * float(coef)
+    return total
+
+
+def _check_context(context_id: int) -> None:
+    if isinstance(context_id, bool) or not isinstance(context_id, int):
+        raise ValueError(f"context_id must be an int, got {context_id!r}")
+    try:
+        dist_autograd.get_gradients(context_id)  # type: ignore[attr-defined]
+    except RuntimeError:
+        raise ValueError(
+            f"context_id {context_id} is not a live distributed-autograd context of this "
+            "process; call step inside `with torch.distributed.autograd.context() as cid:`"
+        ) from None
+
+
+def _resolve_modes(mode: str | Mapping[str | int, str], owners: set[str]) -> dict[str, str]:
+    if isinstance(mode, str):
+        if mode not in _local.MODES:
+            raise ValueError(f"mode must be one of {_local.MODES} or a mapping, got {mode!r}")
+        return dict.fromkeys(owners, mode)
+    if not isinstance(mode, Mapping):
+        raise ValueError(f"mode must be a str or a mapping worker -> mode, got {mode!r}")
+    out = dict.fromkeys(owners, "auto")
+    for worker, value in mode.items():
+        if value not in _local.MODES:
+            raise ValueError(f"mode[{worker!r}] must be one of {_local.MODES}, got {value!r}")
+        out[get_worker_name(worker)] = value
+    return out
+
+
+def _torch_group(
+    optimizer_class: type, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """Validate hyperparameters by building the optimizer on a dummy tensor; return its group."""
+    probe = torch.zeros(1, requires_grad=True)
+    try:
+        optim = optimizer_class([probe], *args, **kwargs)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"{optimizer_class.__name__} rejected the hyperparameters args={args!r} "
+            f"kwargs={kwargs!r}: {exc}"
+        ) from exc
+    groups = getattr(optim, "param_groups", None)
+    if not groups:
+        raise ValueError(f"{optimizer_class.__name__} has no param_groups; is it an optimizer?")
+    return {k: v for k, v in groups[0].items() if k != "params"}
+
+
+def _functional_group(
+    functional_class: type, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """Bind hyperparameters to a functional class's signature; return them as a group dict."""
+    import inspect
+
+    signature = inspect.signature(functional_class.__init__)  # type: ignore[misc]
+    try:
+        bound = signature.bind(None, [], *args, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{functional_class.__name__}{signature}: {exc}") from exc
+    bound.apply_defaults()
+    try:
+        functional_class([], *args, **kwargs)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"{functional_class.__name__} rejected the hyperparameters: {exc}"
+        ) from exc
+    return {k: v for k, v in bound.arguments.items() if k not in ("self", "params")}
+
+
+def _wait_all(futures: Mapping[str, Future[Any]]) -> dict[str, Any]:
+    """Wait for every future (each carries its RPC timeout); raise the first error after all."""
+    results: dict[str, Any] = {}
+    error: BaseException | None = None
+    for owner, fut in futures.items():
+        try:
+            results[owner] = fut.wait()
+        except BaseException as exc:
+            if error is None:
+                error = RuntimeError(f"optimizer request to {owner} failed: {exc}")
+                error.__cause__ = exc
+    if error is not None:
+        raise error
+    return results

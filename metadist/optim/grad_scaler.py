@@ -1,0 +1,280 @@
+"""Loss scaling for mixed precision when the parameters are spread over several owners.
+
+The sharded-scaler rule (fairscale's ``ShardedGradScaler``): every owner unscales its own
+gradients and reports whether it saw an inf/NaN; the reports are OR-ed on the caller, so either
+every owner steps or every owner skips; then the scale is updated once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from metadist.optim.distributed import DistributedOptimizer
+
+__all__ = ["DistributedGradScaler"]
+
+T = TypeVar("T")
+
+
+class DistributedGradScaler:
+    """``torch.amp.GradScaler`` for a :class:`DistributedOptimizer`.
+
+    Usage per step: ``scaler.scale(loss)`` before ``dist_autograd.backward``; optionally
+    ``scaler.unscale_(opt, cid)`` then :func:`clip_grad_norm_`; ``scaler.step(opt, cid)``;
+    ``scaler.update()``. With gradient accumulation call ``scaler.step`` on every pass (it only
+    unscales and checks on the pass that applies) and ``update`` only after that pass, so every
+    pass of a window is scaled by the same factor.
+
+    Args:
+        init_scale: Initial scale factor.
+        growth_factor: Factor the scale grows by after ``growth_interval`` clean steps.
+        backoff_factor: Factor the scale shrinks by after a step with inf/NaN.
+        growth_interval: Clean steps between growths.
+        enabled: If ``False``, every method is a pass-through (``step`` just steps).
+
+    Raises:
+        ValueError: On a non-positive ``init_scale``, ``growth_factor <= 1``,
+            ``backoff_factor`` outside ``(0, 1)`` or ``growth_interval < 1``.
+
+    Example:
+        >>> # doctest: +SKIP
+        >>> scaler = DistributedGradScaler(init_scale=2.0**10)
+        >>> with dist_autograd.context() as cid:
+        ...     with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...         loss = model(x).float().pow(2).mean()
+        ...     dist_autograd.backward(cid, [scaler.scale(loss)])
+        ...     scaler.step(opt, cid)
+        ...     scaler.update()
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        if not (init_scale > 0 and math.isfinite(init_scale)):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        self._scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self._enabled = enabled
+        self._growth_tracker = 0
+        self._found_inf_since_update = False
+        self._unscaled: dict[tuple[int, int], bool] = {}
+
+    def is_enabled(self) -> bool:
+        """Return whether scaling is on.
+
+        Example:
+            >>> DistributedGradScaler(enabled=False).is_enabled()
+            False
+        """
+        return self._enabled
+
+    def get_scale(self) -> float:
+        """Return the current scale factor (``1.0`` when disabled).
+
+        Example:
+            >>> DistributedGradScaler(init_scale=8.0).get_scale()
+            8.0
+        """
+        return self._scale if self._enabled else 1.0
+
+    def scale(self, outputs: T) -> T:
+        """Multiply a loss (or a list/tuple of them) by the scale factor.
+
+        Args:
+            outputs: A tensor or a list/tuple of tensors.
+
+        Returns:
+            The scaled tensor(s), same structure.
+
+        Raises:
+            TypeError: If ``outputs`` holds something other than tensors.
+
+        Example:
+            >>> import torch
+            >>> DistributedGradScaler(init_scale=4.0).scale(torch.tensor(0.5))
+            tensor(2.)
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, Tensor):
+            return outputs * torch.tensor(self._scale, dtype=torch.float32, device=outputs.device)  # type: ignore[return-value]
+        if isinstance(outputs, list | tuple):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {outputs!r}")
+
+    def unscale_(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
+        """Unscale the gradients ``optimizer.step(context_id)`` will apply, on every owner.
+
+        One request per owner; each owner divides its gradients by the scale and reports whether
+        it saw an inf/NaN. Call before :func:`clip_grad_norm_`. At most once per step.
+
+        Args:
+            optimizer: The distributed optimizer.
+            context_id: A distributed-autograd context id created in this process.
+
+        Returns:
+            Whether any owner found an inf/NaN.
+
+        Raises:
+            TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+            RuntimeError: If called twice for the same step.
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> scaler.unscale_(opt, cid); clip_grad_norm_(opt, cid, 1.0); scaler.step(opt, cid)
+        """
+        _check_optimizer(optimizer)
+        key = (id(optimizer), context_id)
+        if key in self._unscaled:
+            raise RuntimeError(
+                f"unscale_ was already called for context {context_id} since the last step"
+            )
+        if not self._enabled:
+            self._unscaled[key] = False
+            return False
+        results = optimizer._stage(context_id, 1.0 / self._scale, None)
+        found = any(f for f, _ in results)
+        self._unscaled[key] = found
+        return found
+
+    def step(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
+        """Step ``optimizer`` unless any owner found an inf/NaN; then every owner skips.
+
+        On a pass that only accumulates (``not optimizer.next_step_applies``) this just calls
+        ``optimizer.step(context_id)``: the check happens on the gradients that get applied.
+
+        Args:
+            optimizer: The distributed optimizer.
+            context_id: A distributed-autograd context id created in this process.
+
+        Returns:
+            ``True`` if the owners updated their parameters, ``False`` if they skipped (or only
+            accumulated).
+
+        Raises:
+            TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+
+        Example:
+            >>> # doctest: +SKIP
+            >>> stepped = scaler.step(opt, cid)
+        """
+        _check_optimizer(optimizer)
+        key = (id(optimizer), context_id)
+        if not self._enabled:
+            self._unscaled.pop(key, None)
+            optimizer.step(context_id)
+            return True
+        if not optimizer.next_step_applies and key not in self._unscaled:
+            optimizer.step(context_id)
+            return False
+        found = self._unscaled.pop(key, None)
+        if found is None:
+            found = self.unscale_(optimizer, context_id)
+            self._unscaled.pop(key, None)
+        if found:
+            self._found_inf_since_update = True
+            optimizer.skip(context_id)
+            return False
+        optimizer.step(context_id)
+        return True
+
+    def update(self, new_scale: float | None = None) -> None:
+        """Update the scale: back off after an inf/NaN, grow after ``growth_interval`` clean steps.
+
+        Args:
+            new_scale: Set this scale instead (resets the growth tracker).
+
+        Raises:
+            ValueError: If ``new_scale`` is not a positive finite number.
+
+        Example:
+            >>> s = DistributedGradScaler(init_scale=4.0, growth_interval=1)
+            >>> s.update(); s.get_scale()
+            8.0
+        """
+        if not self._enabled:
+            return
+        self._unscaled.clear()
+        if new_scale is not None:
+            if not (new_scale > 0 and math.isfinite(new_scale)):
+                raise ValueError(f"new_scale must be a positive finite number, got {new_scale!r}")
+            self._scale = float(new_scale)
+            self._growth_tracker = 0
+        elif self._found_inf_since_update:
+            self._scale *= self.backoff_factor
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker >= self.growth_interval:
+                self._scale *= self.growth_factor
+                self._growth_tracker = 0
+        self._found_inf_since_update = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the scaler's state (``torch.amp.GradScaler`` keys).
+
+        Example:
+            >>> DistributedGradScaler(init_scale=2.0).state_dict()["scale"]
+            2.0
+        """
+        return {
+            "scale": self._scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self._growth_tracker,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`.
+
+        Args:
+            state_dict: A dict from :meth:`state_dict`.
+
+        Raises:
+            ValueError: If a key is missing.
+
+        Example:
+            >>> s = DistributedGradScaler(); s.load_state_dict({"scale": 4.0, "growth_factor": 2.0,
+            ...     "backoff_factor": 0.5, "growth_interval": 10, "_growth_tracker": 3})
+            >>> s.get_scale()
+            4.0
+        """
+        missing = {
+            "scale",
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "_growth_tracker",
+        } - set(state_dict)
+        if missing:
+            raise ValueError(f"state_dict is missing {sorted(missing)}")
+        self._scale = float(state_dict["scale"])
+        self.growth_factor = float(state_dict["growth_factor"])
+        self.backoff_factor = float(state_dict["backoff_factor"])
+        self.growth_interval = int(state_dict["growth_interval"])
+        self._growth_tracker = int(state_dict["_growth_tracker"])
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, DistributedOptimizer):
+        raise TypeError(
+            f"optimizer must be a metadist DistributedOptimizer, got {type(optimizer).__name__}"
+        )

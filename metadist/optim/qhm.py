@@ -1,0 +1,222 @@
+# qhm() is compiled by TorchScript (no `not in {...}`); signatures mirror qhoptim positionally.
+# ruff: noqa: PLR1714, PLR0917
+"""Quasi-hyperbolic momentum (QHM): the update rule and a ``torch.optim.Optimizer`` for it.
+
+QHM (Ma & Yarats, 2019) averages a plain SGD step and a momentum step::
+
+    g   = grad (+ weight_decay * p when weight_decay_type == "grad")
+    p   = p * (1 - lr * weight_decay)             when weight_decay_type == "direct"
+    buf = momentum * buf + (1 - momentum) * g     (dampened buffer, kept across steps)
+    p   = p - lr * (nu * buf + (1 - nu) * g)
+
+This is the rule of the reference implementation (facebookresearch/qhoptim). The PyTorch recipe's
+version of it reads optimizer state before creating it, recreates the momentum buffer on every
+step and uses the removed ``add_(scalar, tensor)`` overload; :func:`qhm` and :class:`QHM` fix all
+three and never modify the gradient in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["QHM", "qhm"]
+
+
+def qhm(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    lr: float,
+    momentum: float,
+    nu: float,
+    weight_decay: float,
+    weight_decay_type: str,
+    maximize: bool = False,
+    foreach: bool = False,
+) -> None:
+    """Apply one QHM step to ``params`` in place (TorchScript-compatible).
+
+    Args:
+        params: Parameters to update in place.
+        grads: Their gradients (read only; never modified).
+        momentum_buffers: Their dampened momentum buffers, updated in place. Start them at zero.
+        lr: Learning rate.
+        momentum: Momentum factor ``beta`` in ``[0, 1)``.
+        nu: Immediate discount factor: ``1`` is plain (dampened) momentum, ``0`` is plain SGD.
+        weight_decay: Weight-decay factor.
+        weight_decay_type: ``"grad"`` adds ``weight_decay * p`` to the gradient; ``"direct"``
+            multiplies ``p`` by ``1 - lr * weight_decay`` before the step.
+        maximize: Ascend instead of descend.
+        foreach: Use torch's multi-tensor kernels (not under TorchScript).
+
+    Raises:
+        ValueError: If ``weight_decay_type`` is neither ``"grad"`` nor ``"direct"``.
+
+    Example:
+        >>> import torch
+        >>> p, g, buf = torch.ones(2), torch.ones(2), torch.zeros(2)
+        >>> qhm([p], [g], [buf], lr=0.1, momentum=0.9, nu=0.7, weight_decay=0.0,
+        ...     weight_decay_type="grad")
+        >>> buf
+        tensor([0.1000, 0.1000])
+    """
+    if weight_decay_type != "grad" and weight_decay_type != "direct":
+        raise ValueError(
+            "weight_decay_type must be 'grad' or 'direct', got '" + weight_decay_type + "'"
+        )
+    if len(params) == 0:
+        return
+    if foreach and not torch.jit.is_scripting():  # type: ignore[attr-defined]
+        # torch._foreach_* are the multi-tensor kernels torch.optim itself uses; there is no
+        # public alias for them.
+        gs = torch._foreach_neg(grads) if maximize else grads
+        if weight_decay != 0.0:
+            if weight_decay_type == "grad":
+                gs = torch._foreach_add(gs, params, alpha=weight_decay)
+            else:
+                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        torch._foreach_mul_(momentum_buffers, momentum)
+        torch._foreach_add_(momentum_buffers, gs, alpha=1.0 - momentum)
+        torch._foreach_add_(params, momentum_buffers, alpha=-lr * nu)
+        torch._foreach_add_(params, gs, alpha=-lr * (1.0 - nu))
+        return
+    for i in range(len(params)):
+        p = params[i]
+        g = grads[i]
+        if maximize:
+            g = -g
+        if weight_decay != 0.0:
+            if weight_decay_type == "grad":
+                g = g.add(p, alpha=weight_decay)
+            else:
+                p.mul_(1.0 - lr * weight_decay)
+        buf = momentum_buffers[i]
+        buf.mul_(momentum).add_(g, alpha=1.0 - momentum)
+        p.add_(buf, alpha=-lr * nu)
+        p.add_(g, alpha=-lr * (1.0 - nu))
+
+
+class QHM(torch.optim.Optimizer):
+    """Quasi-hyperbolic momentum as a regular ``torch.optim.Optimizer``.
+
+    Registered with :class:`metadist.optim.FunctionalQHM`, so
+    ``DistributedOptimizer(QHM, rrefs, lr=..., momentum=..., nu=...)`` steps it on the owners.
+
+    Args:
+        params: Parameters or parameter groups.
+        lr: Learning rate (``>= 0``).
+        momentum: Momentum factor ``beta`` in ``[0, 1)``.
+        nu: Immediate discount factor ``nu`` (``0.7`` is the paper's default).
+        weight_decay: Weight-decay factor (``>= 0``).
+        weight_decay_type: ``"grad"`` (L2 added to the gradient) or ``"direct"`` (decoupled).
+        maximize: Ascend instead of descend.
+        foreach: Use multi-tensor kernels (default: off).
+
+    Raises:
+        ValueError: On a negative ``lr`` or ``weight_decay``, ``momentum`` outside ``[0, 1)`` or
+            an unknown ``weight_decay_type``.
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(3))
+        >>> opt = QHM([w], lr=0.1, momentum=0.9, nu=0.7)
+        >>> w.sum().backward()
+        >>> opt.step()
+        >>> w.detach()
+        tensor([0.9000, 0.9000, 0.9000])
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        momentum: float,
+        nu: float,
+        weight_decay: float = 0.0,
+        weight_decay_type: str = "grad",
+        *,
+        maximize: bool = False,
+        foreach: bool = False,
+    ) -> None:
+        _check_qhm_args(lr, momentum, nu, weight_decay, weight_decay_type)
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nu": nu,
+            "weight_decay": weight_decay,
+            "weight_decay_type": weight_decay_type,
+            "maximize": maximize,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one QHM step on every parameter that has a ``.grad``.
+
+        Args:
+            closure: Optional closure that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Example:
+            >>> import torch
+            >>> w = torch.nn.Parameter(torch.ones(1))
+            >>> opt = QHM([w], lr=1.0, momentum=0.5, nu=1.0)
+            >>> w.sum().backward(); opt.step(); w.detach()
+            tensor([0.5000])
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            bufs: list[Tensor] = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("QHM does not support sparse gradients")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
+                params.append(p)
+                grads.append(p.grad)
+                bufs.append(state["momentum_buffer"])
+            qhm(
+                params,
+                grads,
+                bufs,
+                lr=float(group["lr"]),
+                momentum=float(group["momentum"]),
+                nu=float(group["nu"]),
+                weight_decay=float(group["weight_decay"]),
+                weight_decay_type=str(group["weight_decay_type"]),
+                maximize=bool(group["maximize"]),
+                foreach=bool(group["foreach"]),
+            )
+        return loss
+
+
+def _check_qhm_args(
+    lr: float, momentum: float, nu: float, weight_decay: float, weight_decay_type: str
+) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr!r}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    if not isinstance(nu, int | float):
+        raise ValueError(f"nu must be a float, got {nu!r}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if weight_decay_type not in ("grad", "direct"):
+        raise ValueError(f"weight_decay_type must be 'grad' or 'direct', got {weight_decay_type!r}")

@@ -1,0 +1,132 @@
+"""Which functional optimizer stands in for which ``torch.optim`` class.
+
+:class:`metadist.optim.DistributedOptimizer` looks ``optimizer_class`` up here and, when it finds
+a functional twin, steps the owners with it (eagerly with torch's fused or multi-tensor kernels,
+or compiled with TorchScript). Unregistered classes still work: the owners then run the
+``torch.optim`` class itself, with ``.grad`` set from the context for exactly the parameters that
+have a gradient in it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import torch
+
+from metadist.optim.functional import (
+    FunctionalAdadelta,
+    FunctionalAdagrad,
+    FunctionalAdam,
+    FunctionalAdamax,
+    FunctionalAdamW,
+    FunctionalQHM,
+    FunctionalRMSprop,
+    FunctionalRprop,
+    FunctionalSGD,
+)
+from metadist.optim.qhm import QHM
+
+__all__ = ["get_functional_optimizer", "register_functional_optimizer"]
+
+T = TypeVar("T", bound=type)
+
+_lock = threading.Lock()
+_REGISTRY: dict[type, type] = {
+    torch.optim.SGD: FunctionalSGD,
+    torch.optim.Adam: FunctionalAdam,
+    torch.optim.AdamW: FunctionalAdamW,
+    torch.optim.Adagrad: FunctionalAdagrad,
+    torch.optim.RMSprop: FunctionalRMSprop,
+    torch.optim.Adamax: FunctionalAdamax,
+    torch.optim.Adadelta: FunctionalAdadelta,
+    torch.optim.Rprop: FunctionalRprop,
+    QHM: FunctionalQHM,
+}
+
+
+@overload
+def register_functional_optimizer(optimizer_class: type, functional_class: T) -> T: ...
+
+
+@overload
+def register_functional_optimizer(
+    optimizer_class: type, functional_class: None = None
+) -> Callable[[T], T]: ...
+
+
+def register_functional_optimizer(
+    optimizer_class: type, functional_class: type | None = None
+) -> Any:
+    """Register ``functional_class`` as the functional twin of ``optimizer_class``.
+
+    Afterwards ``DistributedOptimizer(optimizer_class, ...)`` steps the owners with
+    ``functional_class``. A later registration for the same ``optimizer_class`` replaces the
+    earlier one. Registration is per process: register at import time of a module every worker
+    imports (the owners receive the functional class by reference).
+
+    A functional class must take ``(params: list[Tensor], **hyperparameters)`` with the
+    hyperparameter names of ``optimizer_class``'s param group, keep ``self.defaults:
+    dict[str, float]`` and ``self.state: dict[Tensor, dict[str, Tensor]]``, and define
+    ``step(gradients: list[Optional[Tensor]])`` where ``None`` means "leave this parameter alone".
+    It is compiled with ``torch.jit.script`` in ``"scripted"`` mode, so keep it TorchScript-
+    compatible.
+
+    Args:
+        optimizer_class: The class users pass to ``DistributedOptimizer``.
+        functional_class: Its functional twin. Leave out to use this as a class decorator.
+
+    Returns:
+        ``functional_class`` (or a decorator that registers and returns its argument).
+
+    Raises:
+        TypeError: If either argument is not a class.
+
+    Example:
+        >>> import torch
+        >>> from metadist.optim import FunctionalSGD
+        >>> class MySGD(torch.optim.SGD):
+        ...     pass
+        >>> register_functional_optimizer(MySGD, FunctionalSGD) is FunctionalSGD
+        True
+        >>> get_functional_optimizer(MySGD) is FunctionalSGD
+        True
+    """
+    if not isinstance(optimizer_class, type):
+        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+
+    def register(cls: T) -> T:
+        if not isinstance(cls, type):
+            raise TypeError(f"functional_class must be a class, got {cls!r}")
+        with _lock:
+            _REGISTRY[optimizer_class] = cls
+        return cls
+
+    if functional_class is None:
+        return register
+    return register(functional_class)
+
+
+def get_functional_optimizer(optimizer_class: type) -> type | None:
+    """Return the functional twin registered for ``optimizer_class``, or ``None``.
+
+    A functional class passed as ``optimizer_class`` maps to itself.
+
+    Args:
+        optimizer_class: A ``torch.optim.Optimizer`` subclass or a functional class.
+
+    Returns:
+        The registered functional class, ``optimizer_class`` itself if it already is one, or
+        ``None``.
+
+    Example:
+        >>> import torch
+        >>> get_functional_optimizer(torch.optim.Adam).__name__
+        'FunctionalAdam'
+    """
+    with _lock:
+        found = _REGISTRY.get(optimizer_class)
+        if found is None and optimizer_class in _REGISTRY.values():
+            return optimizer_class
+    return found

@@ -1,0 +1,44 @@
+"""A job that misbehaves on purpose; tests/test_faults.py drives it.
+
+Modes: ``hang`` (rank 0 waits forever on a remote call, for signal tests) and ``kill`` (the
+worker serving rank 0's call is SIGKILLed in the middle of it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import metadist
+
+
+def sleep_forever() -> None:
+    time.sleep(10_000)
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@metadist.auto_init_rpc()
+def main(mode: str) -> None:
+    print(f"READY rank={metadist.get_rank()} pid={os.getpid()}", flush=True)
+    if metadist.get_rank() != 0:
+        return
+    if mode == "hang":
+        metadist.remote_sync_call(sleep_forever, partitioner=1, timeout=None)
+    elif mode == "kill":
+        start = time.monotonic()
+        try:
+            metadist.remote_sync_call(die, partitioner=1, timeout=20)
+        except Exception as error:  # report whatever the caller sees
+            elapsed = time.monotonic() - start
+            print(f"CAUGHT {type(error).__name__} after {elapsed:.2f}s: {error}", flush=True)
+        else:
+            print("NO ERROR", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,129 @@
+"""Process-level faults: killed workers and signals end jobs fast, never hang, leave nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _dist import REPO
+
+from metadist.network import free_loopback_port
+
+SCRIPT = REPO / "tests" / "scripts" / "fault_job.py"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent has not reaped it yet).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], limit: float) -> float:
+    start = time.monotonic()
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() - start > limit:
+            break
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _ready_pids(log: Path, count: int, limit: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        pids = [
+            int(line.split("pid=")[1])
+            for line in log.read_text().splitlines()
+            if line.startswith("READY")
+        ]
+        if len(pids) == count:
+            return pids
+        time.sleep(0.1)
+    raise AssertionError(f"workers did not start:\n{log.read_text()}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_signal_to_torchrun_stops_every_worker_within_10s(
+    sig: signal.Signals, tmp_path: Path
+) -> None:
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        torchrun = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(SCRIPT),
+                "hang",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        try:
+            workers = _ready_pids(log, 2)
+            time.sleep(1.0)  # rank 0 is now blocked in the remote call
+            torchrun.send_signal(sig)
+            elapsed = _wait_gone([torchrun.pid, *workers], limit=15)
+            assert elapsed <= 10, f"workers still alive {elapsed:.1f}s after {sig.name}"
+            assert torchrun.wait(5) != 0
+            assert not [pid for pid in workers if _alive(pid)]
+        finally:
+            if torchrun.poll() is None:
+                os.killpg(torchrun.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_fails_the_call_naming_it_and_the_job_exits(tmp_path: Path) -> None:
+    port = free_loopback_port()
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(3)]
+    processes = []
+    for rank, log in enumerate(logs):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONUNBUFFERED": "1",
+        }
+        with log.open("w") as out:
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPT), "kill"],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    env=env,
+                )
+            )
+    try:
+        codes = [process.wait(60) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    out0 = logs[0].read_text()
+    caught = [line for line in out0.splitlines() if line.startswith("CAUGHT")]
+    assert caught, out0
+    assert "worker1" in caught[0], caught[0]
+    assert float(caught[0].split(" after ")[1].split("s:")[0]) <= 20 + 5
+    assert codes[1] == -signal.SIGKILL
+    assert codes[0] != 0, (codes, out0)
+    assert codes[2] != 0, (codes, logs[2].read_text())
+    assert "workers ['worker1'] died" in out0
+    assert not [p.pid for p in processes if _alive(p.pid)]

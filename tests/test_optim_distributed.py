@@ -1,0 +1,431 @@
+"""DistributedOptimizer over a real spawned world of 3 (no mocks of RPC).
+
+One world runs every scenario from rank 0: parameters of a 3-layer pipeline are owned by two
+remote workers and the caller, and every result is checked against the same training run with a
+local ``torch.optim`` optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from _dist import run_world
+
+from metadist.optim import QHM, DistributedGradScaler, DistributedOptimizer, clip_grad_norm_
+
+OWNERS = ("worker1", "worker2", "worker0")  # pipeline order; worker0 is the caller
+DIM = 4
+TOL = {"atol": 1e-6, "rtol": 1e-6}
+
+
+# -- functions that run on the owners (module level: pickled by reference) -------------------
+
+
+def _make_param(values: torch.Tensor) -> torch.Tensor:
+    return values.clone().requires_grad_(True)
+
+
+def _layer(
+    w: rpc.RRef[torch.Tensor],
+    b: rpc.RRef[torch.Tensor],
+    h: torch.Tensor,
+    poison: bool,
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
+    weight = w.local_value()
+    if poison:
+        # Forward value unchanged; the gradient reaching this weight becomes inf.
+        weight = weight * 1.0
+        weight.register_hook(lambda g: torch.full_like(g, math.inf))
+    if dtype is not None:
+        with torch.autocast("cpu", dtype=dtype):
+            return torch.tanh(h @ weight + b.local_value())
+    return torch.tanh(h @ weight + b.local_value())
+
+
+def _fetch(rref: rpc.RRef[torch.Tensor]) -> torch.Tensor:
+    return rref.local_value().detach().clone()
+
+
+# -- the model, distributed and local ---------------------------------------------------------
+
+
+class Model:
+    """Six parameters, two per owner, listed in an interleaved order to exercise index mapping."""
+
+    ORDER = ((0, "w"), (2, "b"), (1, "w"), (0, "b"), (2, "w"), (1, "b"))
+
+    def __init__(self, seed: int, values: list[torch.Tensor] | None = None) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.init = values or [
+            torch.randn(DIM, DIM, generator=gen) * 0.5
+            if kind == "w"
+            else torch.randn(DIM, generator=gen) * 0.1
+            for _, kind in self.ORDER
+        ]
+        self.rrefs = [
+            rpc.remote(OWNERS[layer], _make_param, args=(v,))
+            for (layer, _), v in zip(self.ORDER, self.init, strict=True)
+        ]
+        self.local = [torch.nn.Parameter(v.clone()) for v in self.init]
+
+    def _pick(self, layer: int, seq: list[Any]) -> tuple[Any, Any]:
+        w = next(seq[i] for i, (lay, k) in enumerate(self.ORDER) if lay == layer and k == "w")
+        b = next(seq[i] for i, (lay, k) in enumerate(self.ORDER) if lay == layer and k == "b")
+        return w, b
+
+    def dist_loss(
+        self,
+        x: torch.Tensor,
+        skip: int | None = None,
+        poison: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        h = x
+        for layer, owner in enumerate(OWNERS):
+            if layer == skip:
+                continue
+            w, b = self._pick(layer, self.rrefs)
+            args = (w, b, h, layer == poison, dtype)
+            h = _layer(*args) if owner == "worker0" else rpc.rpc_sync(owner, _layer, args=args)
+        return h.float().pow(2).sum()
+
+    def local_loss(
+        self, x: torch.Tensor, skip: int | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        h = x
+        for layer in range(len(OWNERS)):
+            if layer == skip:
+                continue
+            w, b = self._pick(layer, self.local)
+            if dtype is not None:
+                with torch.autocast("cpu", dtype=dtype):
+                    h = torch.tanh(h @ w + b)
+            else:
+                h = torch.tanh(h @ w + b)
+        return h.float().pow(2).sum()
+
+    def values(self) -> list[torch.Tensor]:
+        return [rpc.rpc_sync(r.owner(), _fetch, args=(r,)) for r in self.rrefs]
+
+    def assert_matches_local(self, tol: dict[str, float] | None = None, what: str = "") -> None:
+        for i, (got, ref) in enumerate(zip(self.values(), self.local, strict=True)):
+            torch.testing.assert_close(
+                got, ref.detach(), **(tol or TOL), msg=lambda m, i=i: f"{what} param {i}: {m}"
+            )
+
+
+def _inputs(n: int, seed: int = 7) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, DIM, generator=gen) for _ in range(n)]
+
+
+def _dist_step(
+    model: Model, opt: DistributedOptimizer, x: torch.Tensor, skip: int | None = None
+) -> None:
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [model.dist_loss(x, skip)])
+        opt.step(cid)
+
+
+def _local_step(
+    model: Model, opt: torch.optim.Optimizer, x: torch.Tensor, skip: int | None = None
+) -> None:
+    opt.zero_grad(set_to_none=True)
+    model.local_loss(x, skip).backward()
+    opt.step()
+
+
+# -- scenarios (all run on rank 0) --------------------------------------------------------------
+
+
+def _check_equivalence() -> None:
+    cases: list[tuple[type, dict[str, Any], Any]] = [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "auto"),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "scripted"),
+        (torch.optim.Adam, {"lr": 0.05}, "auto"),
+        (torch.optim.Adam, {"lr": 0.05, "amsgrad": True}, {"worker1": "scripted", 2: "eager"}),
+        (QHM, {"lr": 0.1, "momentum": 0.9, "nu": 0.7}, "auto"),
+        (torch.optim.NAdam, {"lr": 0.05}, "auto"),  # no functional twin: runs torch.optim itself
+    ]
+    for n, (cls, kwargs, mode) in enumerate(cases):
+        model = Model(seed=n)
+        opt = DistributedOptimizer(cls, model.rrefs, mode=mode, **kwargs)
+        ref = cls(model.local, **kwargs)
+        for step, x in enumerate(_inputs(5)):
+            skip = 1 if step == 2 else None  # step 3: worker2's layer unused
+            before = model.values()
+            _dist_step(model, opt, x, skip)
+            _local_step(model, ref, x, skip)
+            if skip is not None:
+                # No stale-gradient reuse: worker2's params (ORDER indices 2 and 5) untouched.
+                after = model.values()
+                for i in (2, 5):
+                    assert torch.equal(before[i], after[i]), f"{cls.__name__}: param {i} moved"
+            model.assert_matches_local(what=f"{cls.__name__} mode={mode} step {step}")
+        described = opt.describe()
+        assert set(described) == set(OWNERS)
+        if isinstance(mode, dict):
+            assert described["worker1"][0] == "scripted"
+            assert described["worker2"][0] == "eager"
+        if cls is torch.optim.NAdam:
+            assert {m for m, _, _ in described.values()} == {"torch"}
+
+
+def _check_accumulation() -> None:
+    for average in (True, False):
+        model = Model(seed=10)
+        opt = DistributedOptimizer(
+            torch.optim.Adam,
+            model.rrefs,
+            lr=0.05,
+            backward_passes_per_step=2,
+            average_accumulated=average,
+        )
+        ref = torch.optim.Adam(model.local, lr=0.05)
+        xs = _inputs(4, seed=11)
+        for window in range(2):
+            ref.zero_grad()
+            for k in range(2):
+                x = xs[2 * window + k]
+                skip = 0 if (window, k) == (1, 0) else None
+                before = model.values()
+                assert opt.next_step_applies == (k == 1)
+                _dist_step(model, opt, x, skip)
+                if k == 0:
+                    assert all(
+                        torch.equal(a, b) for a, b in zip(before, model.values(), strict=True)
+                    )
+                loss = model.local_loss(x, skip)
+                (loss / 2 if average else loss).backward()
+            ref.step()
+            model.assert_matches_local(what=f"accumulation average={average} window {window}")
+
+
+def _check_scaler() -> None:
+    model = Model(seed=20)
+    opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(model.local, lr=0.1, momentum=0.9)
+    scaler = DistributedGradScaler(init_scale=2.0**8, growth_interval=100)
+    xs = _inputs(3, seed=21)
+    # Clean step: same as unscaled local training.
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [scaler.scale(model.dist_loss(xs[0]))])
+        assert scaler.step(opt, cid) is True
+    scaler.update()
+    _local_step(model, ref, xs[0])
+    model.assert_matches_local(tol={"atol": 1e-5, "rtol": 1e-5}, what="scaler clean step")
+    # inf only in worker1's weight gradient: every owner must skip, the scale backs off.
+    before = model.values()
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [scaler.scale(model.dist_loss(xs[1], poison=0))])
+        found = scaler.unscale_(opt, cid)
+        assert found is True
+        assert scaler.step(opt, cid) is False
+    scaler.update()
+    assert scaler.get_scale() == 2.0**7
+    after = model.values()
+    for i, (a, b) in enumerate(zip(before, after, strict=True)):
+        assert torch.equal(a, b), f"param {i} (owner {OWNERS[Model.ORDER[i][0]]}) stepped on inf"
+    # Training continues correctly after the skip.
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [scaler.scale(model.dist_loss(xs[2]))])
+        assert scaler.step(opt, cid) is True
+    scaler.update()
+    _local_step(model, ref, xs[2])
+    model.assert_matches_local(tol={"atol": 1e-5, "rtol": 1e-5}, what="scaler after skip")
+    # CPU autocast, bf16 and fp16, on every owner.
+    for dtype in (torch.bfloat16, torch.float16):
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [scaler.scale(model.dist_loss(xs[0], dtype=dtype))])
+            assert scaler.step(opt, cid) is True
+        scaler.update()
+        ref.zero_grad()
+        model.local_loss(xs[0], dtype=dtype).backward()
+        ref.step()
+        model.assert_matches_local(tol={"atol": 1e-3, "rtol": 1e-3}, what=f"autocast {dtype}")
+        assert all(bool(torch.isfinite(v).all()) for v in model.values())
+
+
+def _check_clipping() -> None:
+    for norm_type in (2.0, math.inf):
+        model = Model(seed=30)
+        opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.5)
+        ref = torch.optim.SGD(model.local, lr=0.5)
+        x = _inputs(1, seed=31)[0] * 3
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [model.dist_loss(x)])
+            total = clip_grad_norm_(opt, cid, max_norm=0.25, norm_type=norm_type)
+            opt.step(cid)
+        ref.zero_grad()
+        model.local_loss(x).backward()
+        ref_total = torch.nn.utils.clip_grad_norm_(model.local, max_norm=0.25, norm_type=norm_type)
+        assert float(ref_total) > 0.25  # clipping really happened
+        torch.testing.assert_close(total, ref_total, **TOL)
+        ref.step()
+        model.assert_matches_local(what=f"clipping norm_type={norm_type}")
+
+
+def _check_state_dict() -> None:
+    model = Model(seed=40)
+    opt = DistributedOptimizer(torch.optim.Adam, model.rrefs, lr=0.05, amsgrad=True)
+    ref = torch.optim.Adam(model.local, lr=0.05, amsgrad=True)
+    xs = _inputs(5, seed=41)
+    for x in xs[:3]:
+        _dist_step(model, opt, x)
+        _local_step(model, ref, x)
+    sd = opt.state_dict()
+    ref_sd = ref.state_dict()
+    assert sd["param_groups"][0]["params"] == ref_sd["param_groups"][0]["params"]
+    assert sd["param_groups"][0]["lr"] == 0.05
+    assert set(sd["state"]) == set(ref_sd["state"])
+    for i, entry in ref_sd["state"].items():
+        assert set(sd["state"][i]) == set(entry)
+        for key, value in entry.items():
+            torch.testing.assert_close(sd["state"][i][key], value, **TOL)
+    snapshot = model.values()
+    for x in xs[3:]:
+        _dist_step(model, opt, x)
+    continued = model.values()
+    # Fresh parameters at the snapshot, fresh optimizer, loaded state: bit-exact resume.
+    resumed = Model(seed=0, values=snapshot)
+    opt2 = DistributedOptimizer(torch.optim.Adam, resumed.rrefs, lr=0.5, amsgrad=True)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 0.05
+    for x in xs[3:]:
+        _dist_step(resumed, opt2, x)
+    for i, (a, b) in enumerate(zip(continued, resumed.values(), strict=True)):
+        assert torch.equal(a, b), f"param {i} differs after resume"
+    with pytest.raises(ValueError, match="1 param group over 6 parameters"):
+        opt2.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
+
+
+def _check_lr_scheduler() -> None:
+    model = Model(seed=50)
+    opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.2, momentum=0.5)
+    ref = torch.optim.SGD(model.local, lr=0.2, momentum=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
+    for step, x in enumerate(_inputs(4, seed=51)):
+        _dist_step(model, opt, x)
+        _local_step(model, ref, x)
+        sched.step()
+        ref_sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.2 * 0.5 ** (step + 1))
+        model.assert_matches_local(what=f"scheduler step {step}")
+
+
+def _ps_forward(w: rpc.RRef[torch.Tensor], c: torch.Tensor) -> torch.Tensor:
+    return (w.local_value() * c).sum()
+
+
+def _check_parameter_server() -> None:
+    threads_n, steps = 4, 10
+    w1 = rpc.remote("worker1", _make_param, args=(torch.zeros(1000),))
+    w2 = rpc.remote("worker2", _make_param, args=(torch.zeros(10),))
+    opt = DistributedOptimizer(
+        torch.optim.SGD, [w1, w2], lr=1.0, mode={"worker1": "scripted", "worker2": "eager"}
+    )
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(threads_n)
+
+    def trainer(t: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            c1 = torch.full((1000,), float(t + 1))
+            c2 = torch.full((10,), float(t + 1))
+            for _ in range(steps):
+                with dist_autograd.context() as cid:
+                    loss = rpc.rpc_sync("worker1", _ps_forward, args=(w1, c1)) + rpc.rpc_sync(
+                        "worker2", _ps_forward, args=(w2, c2)
+                    )
+                    dist_autograd.backward(cid, [loss])
+                    opt.step(cid)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=trainer, args=(t,)) for t in range(threads_n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), "a trainer thread hung"
+    assert not errors, errors
+    # Each update subtracts (t + 1): every one of the 40 landed exactly once.
+    expected = -float(steps * sum(range(1, threads_n + 1)))
+    for rref in (w1, w2):
+        value = rpc.rpc_sync(rref.owner(), _fetch, args=(rref,))
+        assert bool(torch.isfinite(value).all())
+        assert torch.equal(value, torch.full_like(value, expected)), value[:3]
+
+
+def _check_bad_input() -> None:
+    model = Model(seed=60)
+    with pytest.raises(ValueError, match="params_rref is empty"):
+        DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
+    with pytest.raises(TypeError, match=r"params_rref\[1\] must be an RRef"):
+        DistributedOptimizer(torch.optim.SGD, [model.rrefs[0], torch.zeros(1)], lr=0.1)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"params_rref\[1\] is listed twice"):
+        DistributedOptimizer(torch.optim.SGD, [model.rrefs[0], model.rrefs[0]], lr=0.1)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, mode="fast")
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=-1.0)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, backward_passes_per_step=0)
+    opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1)
+    with pytest.raises(ValueError, match="context_id 987654321 is not a live"):
+        opt.step(987654321)
+    with pytest.raises(ValueError, match="context_id must be an int"):
+        opt.step("1")  # type: ignore[arg-type]
+    with dist_autograd.context() as cid, pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_(opt, cid, max_norm=-1.0)
+
+
+def _world(rank: int, world_size: int, checks: list[str]) -> None:
+    if rank != 0:
+        return
+    torch.manual_seed(0)
+    scenarios: dict[str, Callable[[], None]] = {
+        "equivalence": _check_equivalence,
+        "accumulation": _check_accumulation,
+        "scaler": _check_scaler,
+        "clipping": _check_clipping,
+        "state_dict": _check_state_dict,
+        "lr_scheduler": _check_lr_scheduler,
+        "parameter_server": _check_parameter_server,
+        "bad_input": _check_bad_input,
+    }
+    for name in checks:
+        scenarios[name]()
+
+
+@pytest.mark.timeout(280)
+def test_distributed_optimizer_world_of_3() -> None:
+    run_world(
+        _world,
+        3,
+        [
+            "bad_input",
+            "equivalence",
+            "accumulation",
+            "scaler",
+            "clipping",
+            "state_dict",
+            "lr_scheduler",
+            "parameter_server",
+        ],
+        timeout=260,
+    )
+
+
+def test_requires_rpc_world() -> None:
+    with pytest.raises(RuntimeError, match="auto_init_rpc"):
+        DistributedOptimizer(torch.optim.SGD, [], lr=0.1)

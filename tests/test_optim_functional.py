@@ -1,0 +1,266 @@
+"""Functional optimizers vs torch.optim (and QHM vs its written-out rule), eager and scripted.
+
+No RPC here: every functional optimizer is stepped directly, 20 steps, with some gradients
+``None`` (the parameter must be skipped exactly as torch.optim skips a parameter whose ``.grad``
+is ``None``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+from metadist.optim import (
+    QHM,
+    FunctionalAdadelta,
+    FunctionalAdagrad,
+    FunctionalAdam,
+    FunctionalAdamax,
+    FunctionalAdamW,
+    FunctionalQHM,
+    FunctionalRMSprop,
+    FunctionalRprop,
+    FunctionalSGD,
+    get_functional_optimizer,
+    register_functional_optimizer,
+    script_functional_optimizer,
+)
+
+STEPS = 20
+SHAPES = [(3, 4), (5,), (2, 2, 2), (1,)]
+
+CASES: list[tuple[type, type, dict[str, Any]]] = [
+    (torch.optim.SGD, FunctionalSGD, {"lr": 0.1}),
+    (
+        torch.optim.SGD,
+        FunctionalSGD,
+        {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+    ),
+    (
+        torch.optim.SGD,
+        FunctionalSGD,
+        {"lr": 0.05, "momentum": 0.9, "nesterov": True, "maximize": True},
+    ),
+    (torch.optim.Adam, FunctionalAdam, {"lr": 0.01}),
+    (
+        torch.optim.Adam,
+        FunctionalAdam,
+        {"lr": 0.01, "betas": (0.8, 0.99), "amsgrad": True, "weight_decay": 0.1, "maximize": True},
+    ),
+    (torch.optim.AdamW, FunctionalAdamW, {"lr": 0.01, "amsgrad": True}),
+    (torch.optim.AdamW, FunctionalAdamW, {"lr": 0.02, "weight_decay": 0.1, "eps": 1e-6}),
+    (
+        torch.optim.Adagrad,
+        FunctionalAdagrad,
+        {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 0.1, "initial_accumulator_value": 0.1},
+    ),
+    (torch.optim.RMSprop, FunctionalRMSprop, {"lr": 0.01}),
+    (
+        torch.optim.RMSprop,
+        FunctionalRMSprop,
+        {"lr": 0.01, "momentum": 0.9, "centered": True, "weight_decay": 0.1, "maximize": True},
+    ),
+    (torch.optim.Adamax, FunctionalAdamax, {"lr": 0.01, "weight_decay": 0.1}),
+    (torch.optim.Adadelta, FunctionalAdadelta, {"lr": 1.0, "rho": 0.8, "weight_decay": 0.1}),
+    (torch.optim.Rprop, FunctionalRprop, {"lr": 0.01}),
+    (torch.optim.Rprop, FunctionalRprop, {"lr": 0.02, "etas": (0.4, 1.3), "maximize": True}),
+]
+
+
+def _kernels(functional_class: type) -> list[str]:
+    accepted = inspect.signature(functional_class.__init__).parameters
+    kernels = ["single", "scripted"]
+    if "foreach" in accepted:
+        kernels.append("foreach")
+    if "fused" in accepted:
+        kernels.append("fused")
+    return kernels
+
+
+def _grad_plan(seed: int) -> list[list[torch.Tensor | None]]:
+    """Per step, one gradient per parameter; every 4th step skips parameter 1 and 3."""
+    gen = torch.Generator().manual_seed(seed)
+    plan: list[list[torch.Tensor | None]] = []
+    for step in range(STEPS):
+        grads: list[torch.Tensor | None] = []
+        for i, shape in enumerate(SHAPES):
+            if step % 4 == 3 and i in (1, 3):
+                grads.append(None)
+            else:
+                grads.append(torch.randn(shape, generator=gen))
+        plan.append(grads)
+    return plan
+
+
+def _make(
+    functional_class: type, params: list[torch.Tensor], kwargs: dict[str, Any], kernel: str
+) -> Any:
+    extra: dict[str, Any] = {}
+    if kernel in ("foreach", "fused"):
+        extra[kernel] = True
+    optim = functional_class(params, **kwargs, **extra)
+    if kernel == "scripted":
+        return script_functional_optimizer(optim)
+    return optim
+
+
+@pytest.mark.parametrize(
+    ("torch_class", "functional_class", "kwargs", "kernel"),
+    [
+        pytest.param(t, f, k, kern, id=f"{f.__name__}-{n}-{kern}")
+        for n, (t, f, k) in enumerate(CASES)
+        for kern in _kernels(f)
+    ],
+)
+def test_functional_matches_torch_optim(
+    torch_class: type, functional_class: type, kwargs: dict[str, Any], kernel: str
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    ref_params = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = torch_class(ref_params, **kwargs)
+    params = [t.clone() for t in init]
+    optim = _make(functional_class, params, kwargs, kernel)
+    for grads in _grad_plan(1):
+        for p, g in zip(ref_params, grads, strict=True):
+            p.grad = None if g is None else g.clone()
+        ref.step()
+        optim.step([None if g is None else g.clone() for g in grads])
+    for mine, theirs in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
+    # Same state layout as torch.optim (what DistributedOptimizer.state_dict relies on).
+    state = optim.get_state() if kernel == "scripted" else optim.state
+    for p, ref_p in zip(params, ref_params, strict=True):
+        ref_state = ref.state.get(ref_p, {})
+        mine_state = state.get(p, {})
+        assert set(mine_state) == set(ref_state), (mine_state.keys(), ref_state.keys())
+        for key, value in ref_state.items():
+            torch.testing.assert_close(mine_state[key], value, atol=1e-6, rtol=1e-6)
+
+
+def _qhm_reference(
+    params: list[torch.Tensor],
+    plan: list[list[torch.Tensor | None]],
+    lr: float,
+    momentum: float,
+    nu: float,
+    weight_decay: float,
+    weight_decay_type: str,
+) -> list[torch.Tensor]:
+    """QHM written out (Ma & Yarats 2019; qhoptim): a dampened buffer that persists."""
+    ps = [p.clone().double() for p in params]
+    bufs: list[torch.Tensor | None] = [None] * len(ps)
+    for grads in plan:
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            d = g.double()
+            if weight_decay_type == "grad":
+                d = d + weight_decay * ps[i]
+            else:
+                ps[i] = ps[i] * (1.0 - lr * weight_decay)
+            buf = bufs[i] if bufs[i] is not None else torch.zeros_like(ps[i])
+            buf = momentum * buf + (1.0 - momentum) * d
+            bufs[i] = buf
+            ps[i] = ps[i] - lr * (nu * buf + (1.0 - nu) * d)
+    return [p.float() for p in ps]
+
+
+@pytest.mark.parametrize("weight_decay_type", ["grad", "direct"])
+@pytest.mark.parametrize("kernel", ["single", "foreach", "scripted", "optimizer"])
+def test_qhm_matches_update_rule(weight_decay_type: str, kernel: str) -> None:
+    hyper = {"lr": 0.05, "momentum": 0.9, "nu": 0.7, "weight_decay": 0.1}
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    plan = _grad_plan(4)
+    expected = _qhm_reference(init, plan, weight_decay_type=weight_decay_type, **hyper)
+    if kernel == "optimizer":
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = QHM(params, weight_decay_type=weight_decay_type, **hyper)
+        for grads in plan:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            opt.step()
+        # The buffer persists: it is the same tensor after 20 steps as after the first.
+        assert all("momentum_buffer" in opt.state[p] for p in params)
+        got = [p.detach() for p in params]
+    else:
+        got = [t.clone() for t in init]
+        fopt = _make(
+            FunctionalQHM,
+            got,
+            {**hyper, "weight_decay_type": weight_decay_type},
+            kernel,
+        )
+        first_grads = plan[0]
+        fopt.step(first_grads)
+        state = fopt.get_state() if kernel == "scripted" else fopt.state
+        buf_after_first = state[got[0]]["momentum_buffer"]
+        for grads in plan[1:]:
+            fopt.step(grads)
+        state = fopt.get_state() if kernel == "scripted" else fopt.state
+        assert state[got[0]]["momentum_buffer"] is buf_after_first or torch.equal(
+            state[got[0]]["momentum_buffer"], buf_after_first
+        )
+    for mine, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_gradients_are_not_modified() -> None:
+    params = [torch.ones(3), torch.ones(2)]
+    grads = [torch.full((3,), 2.0), torch.full((2,), -1.0)]
+    before = [g.clone() for g in grads]
+    FunctionalQHM(params, lr=0.1, momentum=0.5, nu=0.5, weight_decay=0.3).step(list(grads))
+    FunctionalSGD(params, lr=0.1, weight_decay=0.3).step(list(grads))
+    for g, b in zip(grads, before, strict=True):
+        assert torch.equal(g, b)
+
+
+def test_bad_input_raises_with_names() -> None:
+    with pytest.raises(ValueError, match="gradients has 1 entries"):
+        FunctionalAdam([torch.zeros(1), torch.zeros(1)]).step([torch.zeros(1)])
+    with pytest.raises(ValueError, match="weight_decay_type"):
+        QHM(
+            [torch.nn.Parameter(torch.zeros(1))],
+            lr=0.1,
+            momentum=0.9,
+            nu=0.7,
+            weight_decay_type="l2",
+        )
+    with pytest.raises(ValueError, match="momentum"):
+        QHM([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=1.5, nu=0.7)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        FunctionalSGD([torch.zeros(1)], lr=-1.0)
+
+
+def test_registry_defaults_and_decorator() -> None:
+    assert get_functional_optimizer(torch.optim.Adam) is FunctionalAdam
+    assert get_functional_optimizer(QHM) is FunctionalQHM
+    assert get_functional_optimizer(torch.optim.NAdam) is None
+
+    class MyOptimizer(torch.optim.SGD):
+        pass
+
+    decorated = register_functional_optimizer(MyOptimizer)(FunctionalSGD)
+    assert decorated is FunctionalSGD
+    assert get_functional_optimizer(MyOptimizer) is FunctionalSGD
+    with pytest.raises(TypeError, match="optimizer_class must be a class"):
+        register_functional_optimizer("SGD", FunctionalSGD)  # type: ignore[call-overload]
+
+
+def test_import_does_not_script() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.jit\n"
+        "calls = []\n"
+        "orig = torch.jit.script\n"
+        "torch.jit.script = lambda *a, **k: calls.append(a) or orig(*a, **k)\n"
+        "import metadist.optim\n"
+        "assert not calls, calls\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
