@@ -1,0 +1,366 @@
+"""MAML outer-step benchmark: a per-task loop, vmap, metadist and torchopt.distributed.
+
+Workload (issue 5): the 4-block conv net, 5-way 1-shot glyph episodes with 15 query images per
+class, 8 tasks per meta-batch, 1 inner SGD step, second-order meta-gradient. One outer step
+is forward, backward and the Adam meta-step; the median over ``--repeats`` steps (after
+``--warmup``) is reported for
+
+* (a)  one process looping over the tasks, 1 thread; (a2) the same with all cores;
+* (b)  one process, ``torch.func.vmap`` over the tasks, 1 thread; (b2) all cores;
+* (c)  metadist, ``@parallelize`` over the task dimension, W workers under torchrun
+       (W = 2, plus 4 and 8 where the machine has that many cores);
+* (d)  ``torchopt.distributed`` 0.7.3 on 2 workers, written the way its docs and distributed
+       MAML example do it: ``RRef(module_clone(net, by='copy'))`` and one task per call. It is
+       imported from ``.bench-deps/torchopt`` (never installed into the project environment)::
+
+           pip install --target .bench-deps/torchopt torchopt==0.7.3 optree graphviz --no-deps
+
+The (c) run also checks that metadist's meta-gradient equals (a)'s (relative error <= 1e-5).
+
+Run: ``python benchmarks/bench_maml.py`` (``--repeats 3 --warmup 1`` for a quick smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples" / "maml"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from data import FewShotBatch, GlyphDataset, sample_fewshot  # noqa: E402
+from metalearn import configure_threads, meta_objective  # noqa: E402
+from models import ConvNet  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+__all__ = ["main"]
+
+N_WAY, K_SHOT, K_QUERY, TASKS, INNER_LR, INNER_STEPS, SEED = 5, 1, 15, 8, 0.4, 1, 0
+TORCHOPT_DIR = ROOT / ".bench-deps" / "torchopt"
+
+
+def workload() -> tuple[nn.Module, FewShotBatch]:
+    """The same seeded conv net and task batch in every process."""
+    torch.manual_seed(SEED)
+    net = ConvNet(n_way=N_WAY)
+    batch = sample_fewshot(
+        GlyphDataset(seed=SEED),
+        "train",
+        np.random.default_rng(SEED),
+        TASKS,
+        n_way=N_WAY,
+        k_shot=K_SHOT,
+        k_query=K_QUERY,
+    )
+    return net, batch
+
+
+def flat_grad(net: nn.Module) -> Tensor:
+    """All parameter gradients as one vector."""
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None])
+
+
+def time_steps(step: Callable[[], None], repeats: int, warmup: int) -> list[float]:
+    """Wall time of ``repeats`` calls of ``step`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def local_step(
+    net: nn.Module, opt: torch.optim.Optimizer, b: FewShotBatch, vectorize: bool
+) -> None:
+    """One outer step in this process: (a) with ``vectorize=False``, (b) with True."""
+    opt.zero_grad()
+    loss, _ = meta_objective(
+        net,
+        b.x_spt,
+        b.y_spt,
+        b.x_qry,
+        b.y_qry,
+        F.cross_entropy,
+        steps=INNER_STEPS,
+        lr=INNER_LR,
+        classify=True,
+        vectorize=vectorize,
+    )
+    loss.backward()
+    opt.step()
+
+
+def run_local(variant: str, threads: int, args: argparse.Namespace) -> list[float]:
+    """Time variant (a)/(b) in this process with ``threads`` intra-op threads."""
+    torch.set_num_threads(threads)
+    net, b = workload()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    vectorize = variant.startswith("b")
+    return time_steps(lambda: local_step(net, opt, b, vectorize), args.repeats, args.warmup)
+
+
+# --------------------------------------------------------------------------- (c) metadist
+
+
+def _metadist_loss(
+    model: nn.Module, x_spt: Tensor, y_spt: Tensor, x_qry: Tensor, y_qry: Tensor
+) -> Tensor:
+    """Mean query loss of this worker's contiguous chunk of tasks (a per-task loop)."""
+    loss, _ = meta_objective(
+        model,
+        x_spt,
+        y_spt,
+        x_qry,
+        y_qry,
+        F.cross_entropy,
+        steps=INNER_STEPS,
+        lr=INNER_LR,
+        vectorize=False,
+    )
+    return loss
+
+
+def role_metadist(args: argparse.Namespace) -> None:
+    """Body of each torchrun worker for (c); rank 0 times and writes ``args.json``."""
+    import metadist
+
+    meta_loss = metadist.parallelize(
+        partitioner=metadist.dim_partitioner(0), reducer=metadist.mean_reducer
+    )(_metadist_loss)
+
+    @metadist.rank_zero_only
+    def drive() -> None:
+        net, b = workload()
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+        # Reference meta-gradient of (a), then metadist's, at the same initial parameters.
+        meta_objective(
+            net,
+            b.x_spt,
+            b.y_spt,
+            b.x_qry,
+            b.y_qry,
+            F.cross_entropy,
+            steps=INNER_STEPS,
+            lr=INNER_LR,
+            vectorize=False,
+        )[0].backward()
+        reference = flat_grad(net).clone()
+
+        def step() -> None:
+            opt.zero_grad()
+            with metadist.autograd.context() as ctx:
+                loss = meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry)
+                metadist.autograd.backward(ctx, [loss])
+            opt.step()
+
+        opt.zero_grad()
+        with metadist.autograd.context() as ctx:
+            metadist.autograd.backward(ctx, [meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry)])
+        got = flat_grad(net)
+        rel = ((got - reference).norm() / reference.norm()).item()
+        times = time_steps(step, args.repeats, args.warmup)
+        Path(args.json).write_text(json.dumps({"times": times, "grad_rel_err": rel}))
+
+    metadist.auto_init_rpc(configure_threads)(drive)()
+
+
+# --------------------------------------------------------------------------- (d) torchopt
+
+
+def _torchopt_mean_reducer(results: list[Tensor]) -> Tensor:
+    return torch.stack(results).mean()
+
+
+def _torchopt_inner_loop(
+    net_rref: object, x_spt: Tensor, y_spt: Tensor, x_qry: Tensor, y_qry: Tensor
+) -> Tensor:
+    """One task, as in torchopt's examples/distributed/few-shot/maml_omniglot.py."""
+    import torchopt
+
+    original_net = net_rref.to_here()  # type: ignore[attr-defined]
+    net = torchopt.module_clone(original_net, by="reference", detach_buffers=True)
+    inner_opt = torchopt.MetaSGD(net, lr=INNER_LR)
+    for _ in range(INNER_STEPS):
+        inner_opt.step(F.cross_entropy(net(x_spt), y_spt))
+    return F.cross_entropy(net(x_qry), y_qry)
+
+
+def role_torchopt(args: argparse.Namespace) -> None:
+    """Body of each torchrun worker for (d); rank 0 times and writes ``args.json``."""
+    import torchopt
+    import torchopt.distributed as todist
+    from torch.distributed import autograd as dist_autograd
+
+    inner_loop = todist.parallelize(
+        partitioner=todist.dim_partitioner(dim=0, exclusive=True, keepdim=False),
+        reducer=_torchopt_mean_reducer,
+    )(_torchopt_inner_loop)
+
+    @todist.rank_zero_only
+    def drive() -> None:
+        net, b = workload()
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+        meta_objective(
+            net,
+            b.x_spt,
+            b.y_spt,
+            b.x_qry,
+            b.y_qry,
+            F.cross_entropy,
+            steps=INNER_STEPS,
+            lr=INNER_LR,
+            vectorize=False,
+        )[0].backward()
+        reference = flat_grad(net).clone()
+
+        def step(apply: bool = True) -> None:
+            opt.zero_grad()
+            # torchopt's documented recipe: parameters sent over RPC arrive detached, so the
+            # module is cloned by copy (CloneBackward keeps the graph) and wrapped in an RRef.
+            net_rref = todist.rpc.RRef(torchopt.module_clone(net, by="copy"))
+            with dist_autograd.context() as ctx:
+                loss = inner_loop(net_rref, b.x_spt, b.y_spt, b.x_qry, b.y_qry)
+                todist.autograd.backward(ctx, loss)
+                if apply:
+                    opt.step()
+
+        step(apply=False)
+        rel = ((flat_grad(net) - reference).norm() / reference.norm()).item()
+        times = time_steps(step, args.repeats, args.warmup)
+        Path(args.json).write_text(json.dumps({"times": times, "grad_rel_err": rel}))
+
+    todist.auto_init_rpc(lambda: torch.set_num_threads(1))(drive)()
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_world(role: str, workers: int, args: argparse.Namespace) -> dict[str, object] | None:
+    """Run this script under torchrun in ``role``; return rank 0's JSON or None on failure."""
+    env = dict(os.environ)
+    if role == "torchopt":
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(TORCHOPT_DIR), env.get("PYTHONPATH", "")) if p
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={workers}", __file__, "--role", role, "--json", str(out),
+            "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+        ]  # fmt: skip
+        proc = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False
+        )
+        if proc.returncode != 0 or not out.exists():
+            print(f"  ({role}, W={workers}) failed with exit code {proc.returncode}:")
+            print("  " + "\n  ".join((proc.stdout + proc.stderr).strip().splitlines()[-25:]))
+            return None
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def fmt(times: list[float]) -> str:
+    return f"{statistics.median(times) * 1e3:9.1f} ms  (min {min(times) * 1e3:.1f}, n={len(times)})"
+
+
+def main() -> None:
+    """Parse options and run the benchmark (or one torchrun role of it)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=15, help="timed outer steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed outer steps first")
+    p.add_argument("--variants", default="a,a2,b,b2,c,d", help="comma-separated subset")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun world")
+    p.add_argument("--role", choices=("metadist", "torchopt"), help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.role == "metadist":
+        role_metadist(args)
+        return
+    if args.role == "torchopt":
+        role_torchopt(args)
+        return
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    variants = set(args.variants.split(","))
+    print(
+        f"MAML outer step: conv net, {N_WAY}-way {K_SHOT}-shot, {K_QUERY} query/class,"
+        f" {TASKS} tasks, {INNER_STEPS} inner step, second order; torch {torch.__version__},"
+        f" {cores} cores; median of {args.repeats} after {args.warmup} warm-up"
+    )
+    med: dict[str, float] = {}
+    local = {"a": ("loop, 1 thread", 1), "a2": (f"loop, {cores} threads", cores),
+             "b": ("vmap, 1 thread", 1), "b2": (f"vmap, {cores} threads", cores)}  # fmt: skip
+    for name, (label, threads) in local.items():
+        if name in variants:
+            times = run_local(name, threads, args)
+            med[name] = statistics.median(times)
+            print(f"({name:<3}) single process, {label:<22} {fmt(times)}", flush=True)
+    torch.set_num_threads(cores)
+
+    rel_errs: dict[str, float] = {}
+    if "c" in variants:
+        for w in (2, 4, 8):
+            if w > 2 and cores < w:
+                continue
+            res = run_world("metadist", w, args)
+            if res is None:
+                continue
+            times = list(res["times"])  # type: ignore[call-overload]
+            med[f"c{w}"] = statistics.median(times)
+            rel_errs[f"c{w}"] = float(res["grad_rel_err"])  # type: ignore[arg-type]
+            print(f"(c  ) metadist, {w} workers{'':<17} {fmt(times)}", flush=True)
+    if "d" in variants:
+        if not (TORCHOPT_DIR / "torchopt").is_dir():
+            print(
+                f"(d  ) skipped: torchopt 0.7.3 not found in {TORCHOPT_DIR}; install it with\n"
+                "      pip install --target .bench-deps/torchopt torchopt==0.7.3 optree graphviz"
+                " --no-deps"
+            )
+        else:
+            res = run_world("torchopt", 2, args)
+            if res is not None:
+                times = list(res["times"])  # type: ignore[call-overload]
+                med["d"] = statistics.median(times)
+                rel_errs["d"] = float(res["grad_rel_err"])  # type: ignore[arg-type]
+                print(f"(d  ) torchopt.distributed, 2 workers{'':<6} {fmt(times)}", flush=True)
+
+    print()
+    for key, err in rel_errs.items():
+        ok = "ok" if err <= 1e-5 else "FAIL (target <= 1e-5)"
+        print(f"meta-gradient of ({key}) vs (a): relative error {err:.2e}  {ok}")
+    if "a" in med:
+        for key in ("a2", "b", "b2"):
+            if key in med:
+                print(f"time(a) / time({key}) = {med['a'] / med[key]:.2f}x")
+        for w in (2, 4, 8):
+            if f"c{w}" in med:
+                eff = med["a"] / (w * med[f"c{w}"])
+                tgt = "  (target >= 0.90)" if w == 2 else ""
+                print(
+                    f"metadist W={w}: speed-up over (a) {med['a'] / med[f'c{w}']:.2f}x,"
+                    f" parallel efficiency time(a)/({w} x time(c)) = {eff:.2f}{tgt}"
+                )
+        if "d" in med:
+            eff = med["a"] / (2 * med["d"])
+            print(f"torchopt W=2: parallel efficiency time(a)/(2 x time(d)) = {eff:.2f}")
+    if "c2" in med and "d" in med:
+        print(f"time(d) / time(c) = {med['d'] / med['c2']:.2f}x  (target >= 1.35)")
+
+
+if __name__ == "__main__":
+    main()
