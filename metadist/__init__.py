@@ -1,13 +1,27 @@
 """metadist: meta-learning and model-parallel PyTorch across processes with a few decorators.
 
 A layer over ``torch.distributed.rpc`` and distributed autograd whose names follow
-``torchopt.distributed``, so switching is a change of import.
+``torchopt.distributed``, so switching is a change of import. Data flows
+entry (:mod:`~metadist.launch`) → :mod:`~metadist.world` → :mod:`~metadist.partition` →
+remote call (:mod:`~metadist.api`, :mod:`~metadist.transport`) → :mod:`~metadist.reduce` →
+:mod:`~metadist.autograd` → :mod:`~metadist.optim`.
 """
 
 from __future__ import annotations
 
-from metadist import optim
+from metadist import autograd, optim
+from metadist.api import (
+    parallelize,
+    parallelize_async,
+    parallelize_sync,
+    remote_async_call,
+    remote_sync_call,
+)
+from metadist.errors import RemoteError
 from metadist.launch import auto_init_rpc, default_worker_name_format
+from metadist.partition import DimPartitioner, Partitions, batch_partitioner, dim_partitioner
+from metadist.reduce import PartitionResults, cat_reducer, mean_reducer, stack_reducer, sum_reducer
+from metadist.transport import clear_module_cache, invalidate_module_cache
 from metadist.world import (
     WorldInfo,
     barrier,
@@ -29,10 +43,19 @@ from metadist.world import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DimPartitioner",
+    "PartitionResults",
+    "Partitions",
+    "RemoteError",
     "WorldInfo",
     "auto_init_rpc",
+    "autograd",
     "barrier",
+    "batch_partitioner",
+    "cat_reducer",
+    "clear_module_cache",
     "default_worker_name_format",
+    "dim_partitioner",
     "get_local_rank",
     "get_local_world_size",
     "get_rank",
@@ -42,9 +65,18 @@ __all__ = [
     "get_world_info",
     "get_world_rank",
     "get_world_size",
+    "invalidate_module_cache",
+    "mean_reducer",
     "not_on_rank",
     "on_rank",
     "optim",
+    "parallelize",
+    "parallelize_async",
+    "parallelize_sync",
     "rank_non_zero_only",
     "rank_zero_only",
+    "remote_async_call",
+    "remote_sync_call",
+    "stack_reducer",
+    "sum_reducer",
 ]

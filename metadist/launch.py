@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import ParamSpec, Protocol, TypeVar, cast
 
@@ -39,6 +40,7 @@ def auto_init_rpc(
     *,
     backend: rpc.BackendType | None = None,
     rpc_backend_options: RpcBackendOptions | None = None,
+    shutdown_timeout: float = 30.0,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate the entry function of a job so that it runs inside an RPC world.
 
@@ -64,6 +66,9 @@ def auto_init_rpc(
         rpc_backend_options: Options for the backend (timeouts, device maps). Its
             ``init_method`` is replaced by metadist's loopback-only rendezvous for single-node
             jobs when left at the default ``env://``.
+        shutdown_timeout: Seconds that calls still in flight may run once every worker has
+            finished the function (torch's graceful shutdown would wait for them forever).
+            Past it, shutdown raises ``RuntimeError`` on every worker instead of hanging.
 
     Returns:
         A decorator for the entry function.
@@ -83,6 +88,10 @@ def auto_init_rpc(
         raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
     if not callable(worker_name_format):
         raise TypeError(f"worker_name_format must be callable, got {worker_name_format!r}")
+    if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)):
+        raise TypeError(f"shutdown_timeout must be a number of seconds, got {shutdown_timeout!r}")
+    if shutdown_timeout <= 0:
+        raise ValueError(f"shutdown_timeout must be > 0 seconds, got {shutdown_timeout}")
 
     def decorator(func: Callable[P, R]) -> Callable[P, R]:
         if not callable(func):
@@ -94,10 +103,11 @@ def auto_init_rpc(
                 return func(*args, **kwargs)
             return _run_in_world(
                 functools.partial(func, *args, **kwargs),
-                worker_init_fn,
-                worker_name_format,
-                backend,
-                rpc_backend_options,
+                worker_init_fn=worker_init_fn,
+                worker_name_format=worker_name_format,
+                backend=backend,
+                options=rpc_backend_options,
+                shutdown_timeout=float(shutdown_timeout),
             )
 
         # record() writes the error file torchrun reports; it keeps the signature.
@@ -141,10 +151,12 @@ def _plan(info: WorldInfo, timeout: float) -> tuple[network.Binding, str]:
 
 def _run_in_world(
     job: Callable[[], R],
+    *,
     worker_init_fn: Callable[[], object] | None,
     worker_name_format: Callable[..., str],
     backend: rpc.BackendType | None,
     options: RpcBackendOptions | None,
+    shutdown_timeout: float,
 ) -> R:
     info = world._world_info_from_env()
     name = worker_name_format(
@@ -177,29 +189,61 @@ def _run_in_world(
         world.barrier()
         result = job()
     except BaseException:
-        _shutdown(name, raise_errors=False)
+        _shutdown(name, shutdown_timeout, raise_errors=False)
         raise
-    _shutdown(name, raise_errors=True)
+    _shutdown(name, shutdown_timeout, raise_errors=True)
     return result
 
 
-def _shutdown(name: str, *, raise_errors: bool) -> None:
-    dead: list[str] = []
-    try:
-        dead = world._finish()
-        if not dead:
+def _graceful_shutdown(grace: float) -> bool:
+    """torch's graceful shutdown, bounded: it waits forever for a call that never returns."""
+    finished = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
             with quiet_torch_warnings():
                 rpc.shutdown(graceful=True)
-    except Exception as error:
-        dead = dead or [f"(unknown: {error})"]
-    finally:
+        except BaseException as error:  # handed to the caller below
+            errors.append(error)
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name="metadist-shutdown", daemon=True).start()
+    if not finished.wait(grace):
+        return False
+    if errors:
+        raise errors[0]
+    return True
+
+
+def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
+    problem = None
+    try:
+        dead = world._finish()
         if dead:
-            # A peer is gone: the graceful all-gather cannot complete. Tear down locally.
+            problem = f"workers {dead} died before the job finished"
+            # The graceful all-gather cannot complete without them. Tear down locally.
             with contextlib.suppress(Exception):
                 rpc.shutdown(graceful=False)
+        elif not _graceful_shutdown(grace):
+            others = [rank for rank in range(world.get_world_size()) if rank != world.get_rank()]
+            gone = world._unreachable(others, timeout=5.0)
+            problem = (
+                f"workers {gone} died after finishing their job; shutdown cannot complete"
+                if gone
+                else f"remote calls were still running {grace:g} s after every worker "
+                f"finished its job (a call with timeout=None that never returns?); "
+                f"exiting without waiting for them"
+            )
+    except Exception as error:
+        problem = f"shutdown failed: {error}"
+        with contextlib.suppress(Exception):
+            rpc.shutdown(graceful=False)
+    finally:
         world._deactivate()
-    if dead:
-        message = f"RPC shutdown on worker {name!r}: workers {dead} died before the job finished"
+    if problem is not None:
+        message = f"RPC shutdown on worker {name!r}: {problem}"
         if raise_errors:
             raise RuntimeError(message)
         logger.warning("metadist: %s", message)

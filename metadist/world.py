@@ -213,19 +213,29 @@ def _finish(poll: float = 2.0) -> list[str]:
     done = threading.Event()
     future.add_done_callback(lambda _: done.set())
     while not done.wait(poll):
-        dead = []
-        for rank, name in enumerate(runtime.names):
-            if rank == info.world_rank or (info.world_rank == 0 and _has_arrived(rank)):
-                continue
-            try:
-                rpc.rpc_sync(rank, _ping, timeout=max(poll, 5.0))
-            except RuntimeError as error:
-                if "timeout" not in str(error).lower():
-                    dead.append(name)
+        waiting_for = [
+            rank
+            for rank in range(info.world_size)
+            if rank != info.world_rank and not (info.world_rank == 0 and _has_arrived(rank))
+        ]
+        dead = _unreachable(waiting_for, timeout=max(poll, 5.0))
         if dead:
             return dead
     future.wait()
     return []
+
+
+def _unreachable(ranks: Iterable[int], timeout: float) -> list[str]:
+    """Names of the workers among ``ranks`` whose connection is gone (a busy one is not)."""
+    runtime = _runtime("metadist shutdown")
+    gone = []
+    for rank in ranks:
+        try:
+            rpc.rpc_sync(rank, _ping, timeout=timeout)
+        except RuntimeError as error:
+            if "timeout" not in str(error).lower():
+                gone.append(runtime.names[rank])
+    return gone
 
 
 def _has_arrived(rank: int) -> bool:

@@ -9,6 +9,14 @@
 * :func:`register_functional_optimizer`: plug in a functional twin for your own optimizer.
 
 Nothing is compiled at import; scripting happens on first use of ``mode="scripted"``.
+
+Example:
+    >>> import torch
+    >>> from metadist.optim import FunctionalSGD
+    >>> params = [torch.ones(2)]
+    >>> FunctionalSGD(params, lr=0.5).step([torch.ones(2)])
+    >>> params[0]
+    tensor([0.5000, 0.5000])
 """
 
 from __future__ import annotations

@@ -609,7 +609,13 @@ def _resolve_modes(mode: str | Mapping[str | int, str], owners: set[str]) -> dic
     for worker, value in mode.items():
         if value not in _local.MODES:
             raise ValueError(f"mode[{worker!r}] must be one of {_local.MODES}, got {value!r}")
-        out[get_worker_name(worker)] = value
+        try:
+            name = get_worker_name(worker)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"mode has an entry for {worker!r}, which is not a worker: {exc}"
+            ) from None
+        out[name] = value
     return out
 
 

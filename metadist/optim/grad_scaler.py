@@ -59,12 +59,12 @@ class DistributedGradScaler:
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
-        if not (init_scale > 0 and math.isfinite(init_scale)):
+        if not (_is_number(init_scale) and init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
-        if not growth_factor > 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if not (_is_number(growth_factor) and growth_factor > 1.0):
+            raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}")
+        if not (_is_number(backoff_factor) and 0.0 < backoff_factor < 1.0):
+            raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
         if not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
         self._scale = float(init_scale)
@@ -213,7 +213,7 @@ class DistributedGradScaler:
             return
         self._unscaled.clear()
         if new_scale is not None:
-            if not (new_scale > 0 and math.isfinite(new_scale)):
+            if not (_is_number(new_scale) and new_scale > 0 and math.isfinite(new_scale)):
                 raise ValueError(f"new_scale must be a positive finite number, got {new_scale!r}")
             self._scale = float(new_scale)
             self._growth_tracker = 0
@@ -271,6 +271,12 @@ class DistributedGradScaler:
         self.backoff_factor = float(state_dict["backoff_factor"])
         self.growth_interval = int(state_dict["growth_interval"])
         self._growth_tracker = int(state_dict["_growth_tracker"])
+
+
+def _is_number(value: Any) -> bool:
+    # Checked first so that a str or None gives the ValueError naming the argument, not a bare
+    # TypeError from the comparison.
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_optimizer(optimizer: Any) -> None:

@@ -1,7 +1,8 @@
 """A job that misbehaves on purpose; tests/test_faults.py drives it.
 
-Modes: ``hang`` (rank 0 waits forever on a remote call, for signal tests) and ``kill`` (the
-worker serving rank 0's call is SIGKILLed in the middle of it).
+Modes: ``hang`` (rank 0 waits forever on a remote call, for signal tests), ``kill`` (the
+worker serving rank 0's call is SIGKILLed in the middle of it) and ``inflight`` (rank 0 returns
+while a ``timeout=None`` call that never ends is still running).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@metadist.auto_init_rpc()
+@metadist.auto_init_rpc(shutdown_timeout=3.0)
 def main(mode: str) -> None:
-    print(f"READY rank={metadist.get_rank()} pid={os.getpid()}", flush=True)
+    # One write per line: the workers share torchrun's stdout.
+    sys.stdout.write(f"READY rank={metadist.get_rank()} pid={os.getpid()}\n")
+    sys.stdout.flush()
     if metadist.get_rank() != 0:
         return
     if mode == "hang":
@@ -38,6 +41,8 @@ def main(mode: str) -> None:
             print(f"CAUGHT {type(error).__name__} after {elapsed:.2f}s: {error}", flush=True)
         else:
             print("NO ERROR", flush=True)
+    elif mode == "inflight":
+        metadist.remote_async_call(sleep_forever, partitioner=1, timeout=None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,394 @@
+"""Partitioners: split the arguments of a remote call into per-worker pieces.
+
+A partitioner is called like the remote function, ``partitioner(*args, **kwargs)``, and returns a
+list of ``(worker_id, args, kwargs)`` triples, one per partition. The partitioners here return a
+:class:`Partitions` list that also records how many batch items each partition holds, so that
+:func:`metadist.mean_reducer` can weight partition results by their size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# torch.utils._pytree is the pytree implementation torch.func itself uses; there is no public
+# equivalent in torch 2.13 (the brief allows it).
+from torch.utils._pytree import SUPPORTED_NODES, keystr, tree_flatten_with_path, tree_unflatten
+
+from metadist.world import get_worker_id, get_world_size
+
+__all__ = [
+    "DimPartitioner",
+    "Partition",
+    "Partitions",
+    "batch_partitioner",
+    "dim_partitioner",
+    "split_sizes",
+]
+
+#: One partition: the worker that runs it and the arguments it gets.
+Partition = tuple[int, tuple[Any, ...], dict[str, Any]]
+
+
+class Partitions(list[Partition]):
+    """A list of ``(worker_id, args, kwargs)`` triples plus the batch size of each partition.
+
+    Attributes:
+        sizes: Number of batch items in each partition (partition order), or ``None`` when
+            unknown. :func:`metadist.mean_reducer` uses it to weight partition results.
+
+    Example:
+        >>> parts = Partitions([(0, (), {}), (1, (), {})], sizes=(3, 2))
+        >>> len(parts), parts.sizes
+        (2, (3, 2))
+    """
+
+    def __init__(self, items: Sequence[Partition] = (), sizes: Sequence[int] | None = None) -> None:
+        super().__init__(items)
+        self.sizes: tuple[int, ...] | None = None if sizes is None else tuple(sizes)
+
+
+def split_sizes(n: int, k: int) -> list[int]:
+    """Split ``n`` items into ``min(n, k)`` contiguous chunks whose sizes differ by at most 1.
+
+    Larger chunks come first. TorchOpt puts the whole remainder on the last worker instead.
+
+    Args:
+        n: Number of items (``>= 1``).
+        k: Number of workers (``>= 1``).
+
+    Returns:
+        The chunk sizes; they sum to ``n`` and none is 0.
+
+    Raises:
+        ValueError: ``n`` or ``k`` is smaller than 1.
+
+    Example:
+        >>> split_sizes(10, 4)
+        [3, 3, 2, 2]
+        >>> split_sizes(2, 3)
+        [1, 1]
+    """
+    if n < 1 or k < 1:
+        raise ValueError(f"split_sizes needs n >= 1 and k >= 1, got n={n}, k={k}")
+    m = min(n, k)
+    base, extra = divmod(n, m)
+    return [base + 1] * extra + [base] * (m - extra)
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    # Paths come from flattening the pair (args, kwargs): the first key selects which.
+    head = "args" if path[0].idx == 0 else "kwargs"
+    return head + keystr(path[1:])
+
+
+class DimPartitioner:
+    """Split every tensor leaf of the arguments along one dimension (see :func:`dim_partitioner`).
+
+    Instances are picklable (they pickle as their constructor arguments), so a partitioner can be
+    sent to another worker, e.g. for nested remote calls.
+
+    Example:
+        >>> import torch
+        >>> part = DimPartitioner(0)
+        >>> parts = part.split((torch.arange(5),), {}, worker_ids=[0, 1])
+        >>> [(wid, args[0].tolist()) for wid, args, _ in parts]
+        [(0, [0, 1, 2]), (1, [3, 4])]
+    """
+
+    __slots__ = ("dim", "exclusive", "keepdim", "workers")
+
+    def __init__(
+        self,
+        dim: int = 0,
+        *,
+        exclusive: bool = False,
+        keepdim: bool = True,
+        workers: Sequence[int | str] | None = None,
+    ) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim_partitioner: dim must be an int, got {dim!r}")
+        if not isinstance(exclusive, bool):
+            raise TypeError(f"dim_partitioner: exclusive must be a bool, got {exclusive!r}")
+        if not isinstance(keepdim, bool):
+            raise TypeError(f"dim_partitioner: keepdim must be a bool, got {keepdim!r}")
+        if not keepdim and not exclusive:
+            raise ValueError(
+                "dim_partitioner: keepdim=False removes the split dimension, which only makes "
+                "sense with exclusive=True (one item per partition); got exclusive=False"
+            )
+        if workers is not None:
+            if isinstance(workers, (str, int)) or not isinstance(workers, Sequence):
+                raise TypeError(
+                    f"dim_partitioner: workers must be a sequence of worker ids or names, got "
+                    f"{workers!r}; wrap a single worker in a list"
+                )
+            workers = tuple(workers)
+            if not workers:
+                raise ValueError("dim_partitioner: workers must not be empty")
+            for worker in workers:
+                if isinstance(worker, bool) or not isinstance(worker, (int, str)):
+                    raise TypeError(
+                        f"dim_partitioner: workers must hold int ranks or str names, got "
+                        f"{worker!r} in {workers!r}"
+                    )
+        self.dim = dim
+        self.exclusive = exclusive
+        self.keepdim = keepdim
+        self.workers: tuple[int | str, ...] | None = workers
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_dim_partitioner, (self.dim, self.exclusive, self.keepdim, self.workers))
+
+    def __repr__(self) -> str:
+        return (
+            f"dim_partitioner(dim={self.dim}, exclusive={self.exclusive}, "
+            f"keepdim={self.keepdim}, workers={self.workers!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DimPartitioner):
+            return NotImplemented
+        return (self.dim, self.exclusive, self.keepdim, self.workers) == (
+            other.dim,
+            other.exclusive,
+            other.keepdim,
+            other.workers,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.dim, self.exclusive, self.keepdim, self.workers))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Partitions:
+        """Partition ``args``/``kwargs`` over the configured workers (all workers by default).
+
+        Raises:
+            ValueError: See :meth:`split`; or an unknown worker.
+        """
+        if self.workers is None:
+            worker_ids: list[int] = list(range(get_world_size()))
+        else:
+            worker_ids = [get_worker_id(worker) for worker in self.workers]
+        return self.split(args, kwargs, worker_ids=worker_ids)
+
+    def split(
+        self, args: Sequence[Any], kwargs: dict[str, Any], *, worker_ids: Sequence[int]
+    ) -> Partitions:
+        """Partition the arguments over explicit worker ids (no RPC needed).
+
+        Args:
+            args: Positional arguments of the remote function.
+            kwargs: Keyword arguments of the remote function.
+            worker_ids: Ranks to assign partitions to, in order.
+
+        Returns:
+            The partitions, with :attr:`Partitions.sizes`.
+
+        Raises:
+            ValueError: No tensor argument, an empty batch, ``dim`` out of range for a tensor,
+                or tensors whose sizes along ``dim`` differ (the message names the arguments).
+
+        Example:
+            >>> import torch
+            >>> parts = DimPartitioner(1, exclusive=True, keepdim=False).split(
+            ...     (torch.zeros(4, 3),), {}, worker_ids=[0, 1]
+            ... )
+            >>> [(wid, tuple(args[0].shape)) for wid, args, _ in parts]
+            [(0, (4,)), (1, (4,)), (0, (4,))]
+        """
+        if not worker_ids:
+            raise ValueError("dim_partitioner: there must be at least one worker")
+        if not any(type(a) in SUPPORTED_NODES for a in args) and not any(
+            type(v) in SUPPORTED_NODES for v in kwargs.values()
+        ):
+            return self._split_flat(tuple(args), kwargs, worker_ids)
+        pairs, spec = tree_flatten_with_path((tuple(args), dict(kwargs)))
+        split_at: list[tuple[int, int]] = []  # (leaf index, normalized dim)
+        batch: int | None = None
+        first = ""
+        for index, (path, leaf) in enumerate(pairs):
+            # Parameters are model state, not batch data: replicated like modules.
+            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, nn.Parameter):
+                continue
+            name = _path_name(path)
+            dim = self._dim(name, leaf)
+            size = leaf.shape[dim]
+            if batch is None:
+                batch, first = size, name
+            elif size != batch:
+                raise self._mismatch(first, batch, name, leaf, size)
+            split_at.append((index, dim))
+        sizes, count = self._sizes(batch, first, len(worker_ids))
+        leaves = [leaf for _, leaf in pairs]
+        per_part: list[list[Any]] = [list(leaves) for _ in range(count)]
+        for index, dim in split_at:
+            for part, piece in zip(per_part, self._pieces(leaves[index], dim, sizes), strict=True):
+                part[index] = piece
+        n_workers = len(worker_ids)
+        parts = Partitions(sizes=sizes)
+        for i, part in enumerate(per_part):
+            p_args, p_kwargs = tree_unflatten(part, spec)
+            parts.append((worker_ids[i % n_workers], p_args, p_kwargs))
+        return parts
+
+    def _pieces(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Sequence[torch.Tensor]:
+        if not self.exclusive:
+            return tensor.split(sizes, dim)
+        if self.keepdim:
+            return tensor.split(1, dim)
+        return tensor.unbind(dim)
+
+    def _split_flat(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], worker_ids: Sequence[int]
+    ) -> Partitions:
+        """:meth:`split` for arguments without containers (the common case), without pytrees."""
+        named: list[tuple[str, Any]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
+        named += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+        batch: int | None = None
+        first = ""
+        dims: list[int | None] = []
+        for name, leaf in named:
+            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, nn.Parameter):
+                dims.append(None)
+                continue
+            dim = self._dim(name, leaf)
+            size = leaf.shape[dim]
+            if batch is None:
+                batch, first = size, name
+            elif size != batch:
+                raise self._mismatch(first, batch, name, leaf, size)
+            dims.append(dim)
+        sizes, count = self._sizes(batch, first, len(worker_ids))
+        columns: list[Sequence[Any]] = [
+            [leaf] * count if dim is None else self._pieces(leaf, dim, sizes)
+            for (_, leaf), dim in zip(named, dims, strict=True)
+        ]
+        n_args = len(args)
+        keys = list(kwargs)
+        n_workers = len(worker_ids)
+        parts = Partitions(sizes=sizes)
+        for i in range(count):
+            row = [column[i] for column in columns]
+            parts.append(
+                (
+                    worker_ids[i % n_workers],
+                    tuple(row[:n_args]),
+                    dict(zip(keys, row[n_args:], strict=True)),
+                )
+            )
+        return parts
+
+    def _dim(self, name: str, leaf: torch.Tensor) -> int:
+        ndim = leaf.dim()
+        dim = self.dim + ndim if self.dim < 0 else self.dim
+        if not 0 <= dim < ndim:
+            raise ValueError(
+                f"dim_partitioner(dim={self.dim}): argument {name} has shape "
+                f"{tuple(leaf.shape)}; dim {self.dim} is out of range for {ndim} dimension(s)"
+            )
+        return dim
+
+    def _mismatch(
+        self, first: str, batch: int, name: str, leaf: torch.Tensor, size: int
+    ) -> ValueError:
+        return ValueError(
+            f"dim_partitioner(dim={self.dim}): tensor arguments disagree on the batch size: "
+            f"{first} has {batch} along dim {self.dim} but {name} has {size} "
+            f"(shape {tuple(leaf.shape)})"
+        )
+
+    def _sizes(self, batch: int | None, first: str, n_workers: int) -> tuple[list[int], int]:
+        if batch is None:
+            raise ValueError(
+                "dim_partitioner: the arguments hold no tensor to split (nn.Parameter leaves are "
+                "replicated, not split); pass a worker id as partitioner to run on one worker"
+            )
+        if batch == 0:
+            raise ValueError(
+                f"dim_partitioner(dim={self.dim}): empty batch: {first} has size 0 along "
+                f"dim {self.dim}"
+            )
+        if self.exclusive:
+            return [1] * batch, batch
+        sizes = split_sizes(batch, n_workers)
+        return sizes, len(sizes)
+
+
+def _rebuild_dim_partitioner(
+    dim: int, exclusive: bool, keepdim: bool, workers: tuple[int | str, ...] | None
+) -> DimPartitioner:
+    return DimPartitioner(dim, exclusive=exclusive, keepdim=keepdim, workers=workers)
+
+
+def dim_partitioner(
+    dim: int = 0,
+    *,
+    exclusive: bool = False,
+    keepdim: bool = True,
+    workers: Sequence[int | str] | None = None,
+) -> DimPartitioner:
+    """Make a partitioner that splits every tensor argument along ``dim``.
+
+    Tensor leaves of the (nested) arguments are split; everything else — numbers, modules,
+    ``nn.Parameter`` leaves — is replicated to every partition.
+
+    * ``exclusive=False``: one contiguous chunk per worker, sizes differing by at most 1 (the
+      first ``n % workers`` chunks get one more item). With fewer items than workers there are
+      fewer partitions; no partition is empty.
+    * ``exclusive=True``: one item per partition, assigned to workers round-robin;
+      ``keepdim=False`` removes the split dimension (``(T, B, ...)`` becomes ``T`` tensors of
+      shape ``(B, ...)``).
+
+    Args:
+        dim: The dimension to split (negative counts from the end).
+        exclusive: One item per partition instead of one chunk per worker.
+        keepdim: Keep the split dimension (size 1) in exclusive mode.
+        workers: Worker ranks or names to use, in order; ``None`` means all workers.
+
+    Returns:
+        A picklable :class:`DimPartitioner`.
+
+    Raises:
+        TypeError: An argument has the wrong type.
+        ValueError: ``keepdim=False`` without ``exclusive=True``, or empty ``workers``.
+
+    Example:
+        >>> import torch
+        >>> parts = dim_partitioner(0).split((torch.arange(7),), {}, worker_ids=[0, 1, 2])
+        >>> [len(args[0]) for _, args, _ in parts], parts.sizes
+        ([3, 2, 2], (3, 2, 2))
+    """
+    return DimPartitioner(dim, exclusive=exclusive, keepdim=keepdim, workers=workers)
+
+
+_BATCH = DimPartitioner(0)
+
+
+def batch_partitioner(*args: Any, **kwargs: Any) -> Partitions:
+    """Split every tensor argument along dim 0 over all workers (``dim_partitioner(0)``).
+
+    This is the default partitioner of :func:`metadist.remote_async_call`.
+
+    Args:
+        *args: Positional arguments of the remote function.
+        **kwargs: Keyword arguments of the remote function.
+
+    Returns:
+        One balanced contiguous chunk per worker.
+
+    Raises:
+        ValueError: See :meth:`DimPartitioner.split`.
+
+    Example:
+        >>> import torch
+        >>> import metadist
+        >>> @metadist.auto_init_rpc()
+        ... def main():
+        ...     return [len(args[0]) for _, args, _ in batch_partitioner(torch.zeros(5, 2))]
+        >>> main()  # a world of 1 under plain python
+        [5]
+    """
+    return _BATCH(*args, **kwargs)

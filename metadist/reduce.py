@@ -1,0 +1,240 @@
+"""Reducers: combine the per-partition results of a remote call into one value.
+
+A reducer is any callable ``reducer(results) -> value`` taking the list of partition results in
+partition order. The list metadist passes is a :class:`PartitionResults`, a ``list`` whose
+``sizes`` attribute holds the batch size of each partition when the partitioner knows it; the
+reducers here are pytree-aware: a task returning ``(loss, accuracy)`` or a dict is reduced leaf
+by leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+# torch.utils._pytree: no public pytree API in torch 2.13 (see metadist.partition).
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+__all__ = [
+    "PartitionResults",
+    "cat_reducer",
+    "mean_reducer",
+    "stack_reducer",
+    "sum_reducer",
+]
+
+
+class PartitionResults(list[Any]):
+    """The per-partition results handed to a reducer, with the partition sizes if known.
+
+    Attributes:
+        sizes: Batch items per partition (partition order), or ``None``.
+
+    Example:
+        >>> results = PartitionResults([1.0, 4.0], sizes=(3, 1))
+        >>> mean_reducer(results)
+        1.75
+    """
+
+    def __init__(self, items: Sequence[Any] = (), sizes: Sequence[int] | None = None) -> None:
+        super().__init__(items)
+        self.sizes: tuple[int, ...] | None = None if sizes is None else tuple(sizes)
+
+
+def _leafwise(
+    results: Sequence[Any], name: str, combine: Callable[[list[Any], Callable[[], str]], Any]
+) -> Any:
+    if not isinstance(results, Sequence) or isinstance(results, (str, bytes)):
+        raise TypeError(f"{name}: results must be a list of partition results, got {results!r}")
+    if len(results) == 0:
+        raise ValueError(f"{name}: got no partition results to reduce")
+    if all(isinstance(r, torch.Tensor) for r in results):  # fast path: one tensor per partition
+        return combine(list(results), lambda: "result")
+    first, spec = tree_flatten(results[0])
+    columns: list[list[Any]] = [[leaf] for leaf in first]
+    for index in range(1, len(results)):
+        leaves, other = tree_flatten(results[index])
+        if other != spec:
+            raise ValueError(
+                f"{name}: partition {index} returned a result of a different structure than "
+                f"partition 0: {other} vs {spec}"
+            )
+        for column, leaf in zip(columns, leaves, strict=True):
+            column.append(leaf)
+
+    def where(i: int) -> Callable[[], str]:
+        # Named only on errors: computing key paths costs more than reducing small results.
+        return lambda: "result" + keystr(tree_flatten_with_path(results[0])[0][i][0])
+
+    reduced = [combine(column, where(i)) for i, column in enumerate(columns)]
+    return tree_unflatten(reduced, spec)
+
+
+def _stack(values: list[Any], where: Callable[[], str], name: str) -> torch.Tensor:
+    try:
+        return torch.stack(values)
+    except RuntimeError as error:
+        shapes = [tuple(v.shape) for v in values]
+        raise ValueError(
+            f"{name}: {where()} has different shapes across partitions: {shapes}"
+        ) from error
+
+
+def _kind(values: list[Any], where: Callable[[], str], name: str) -> str:
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return "tensor"
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return "number"
+    types = sorted({type(v).__name__ for v in values})
+    raise TypeError(f"{name}: {where()} must be all tensors or all numbers, got types {types}")
+
+
+def _weights(results: Sequence[Any]) -> tuple[int, ...] | None:
+    sizes = getattr(results, "sizes", None)
+    if sizes is None or len(sizes) != len(results) or len(set(sizes)) <= 1:
+        return None
+    return tuple(sizes)
+
+
+def mean_reducer(results: Sequence[Any]) -> Any:
+    """Average partition results leaf by leaf, weighted by partition size when known.
+
+    With :func:`metadist.dim_partitioner` the partitions record their sizes, so the mean of
+    per-partition means over an unevenly split batch equals the full-batch mean (TorchOpt
+    averages the partition means unweighted, which biases toward the smaller partitions). A
+    plain list, or equal sizes, gives the unweighted mean. Integer tensors are averaged in the
+    default float dtype.
+
+    Args:
+        results: Partition results (all with the same pytree structure).
+
+    Returns:
+        The mean, with the structure of one result.
+
+    Raises:
+        ValueError: No results, or results with different structures or shapes.
+        TypeError: A leaf mixes tensors and numbers, or is neither.
+
+    Example:
+        >>> import torch
+        >>> mean_reducer([(torch.tensor(1.0), 2.0), (torch.tensor(3.0), 4.0)])
+        (tensor(2.), 3.0)
+    """
+    weights = _weights(results)
+    total = sum(weights) if weights is not None else len(results)
+
+    def combine(values: list[Any], where: Callable[[], str]) -> Any:
+        if _kind(values, where, "mean_reducer") == "number":
+            if weights is None:
+                return sum(values) / total
+            return sum(w * v for w, v in zip(weights, values, strict=True)) / total
+        stacked = _stack(values, where, "mean_reducer")
+        if not (stacked.is_floating_point() or stacked.is_complex()):
+            stacked = stacked.to(torch.get_default_dtype())
+        if weights is None:
+            return stacked.mean(0)
+        shape = (len(weights),) + (1,) * (stacked.dim() - 1)
+        w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device).reshape(shape)
+        return (stacked * w).sum(0) / total
+
+    return _leafwise(results, "mean_reducer", combine)
+
+
+def sum_reducer(results: Sequence[Any]) -> Any:
+    """Sum partition results leaf by leaf.
+
+    Args:
+        results: Partition results (all with the same pytree structure).
+
+    Returns:
+        The sum, with the structure of one result.
+
+    Raises:
+        ValueError: No results, or results with different structures or shapes.
+        TypeError: A leaf mixes tensors and numbers, or is neither.
+
+    Example:
+        >>> import torch
+        >>> sum_reducer([{"n": 1, "x": torch.ones(2)}, {"n": 2, "x": torch.ones(2)}])
+        {'n': 3, 'x': tensor([2., 2.])}
+    """
+
+    def combine(values: list[Any], where: Callable[[], str]) -> Any:
+        if _kind(values, where, "sum_reducer") == "number":
+            return sum(values)
+        return _stack(values, where, "sum_reducer").sum(0)
+
+    return _leafwise(results, "sum_reducer", combine)
+
+
+def cat_reducer(results: Sequence[Any], dim: int = 0) -> Any:
+    """Concatenate partition results leaf by leaf along ``dim`` (undoes a chunked batch split).
+
+    Non-tensor leaves are collected into a list in partition order. For another ``dim`` pass
+    ``functools.partial(cat_reducer, dim=1)`` as the reducer.
+
+    Args:
+        results: Partition results (all with the same pytree structure).
+        dim: The dimension to concatenate along.
+
+    Returns:
+        The concatenation, with the structure of one result.
+
+    Raises:
+        ValueError: No results, different structures, or shapes that do not concatenate.
+
+    Example:
+        >>> import torch
+        >>> cat_reducer([torch.zeros(2, 3), torch.ones(1, 3)]).shape
+        torch.Size([3, 3])
+    """
+
+    def combine(values: list[Any], where: Callable[[], str]) -> Any:
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            return list(values)
+        try:
+            return torch.cat(values, dim)
+        except (RuntimeError, IndexError) as error:
+            shapes = [tuple(v.shape) for v in values]
+            raise ValueError(
+                f"cat_reducer: cannot concatenate {where()} along dim {dim}: shapes {shapes}"
+            ) from error
+
+    return _leafwise(results, "cat_reducer", combine)
+
+
+def stack_reducer(results: Sequence[Any], dim: int = 0) -> Any:
+    """Stack partition results leaf by leaf along a new dimension ``dim``.
+
+    Non-tensor leaves are collected into a list in partition order.
+
+    Args:
+        results: Partition results (all with the same pytree structure).
+        dim: Where to insert the new dimension.
+
+    Returns:
+        The stacked results, with the structure of one result.
+
+    Raises:
+        ValueError: No results, different structures, or different shapes.
+
+    Example:
+        >>> import torch
+        >>> stack_reducer([torch.zeros(3), torch.ones(3)]).shape
+        torch.Size([2, 3])
+    """
+
+    def combine(values: list[Any], where: Callable[[], str]) -> Any:
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            return list(values)
+        try:
+            return torch.stack(values, dim)
+        except (RuntimeError, IndexError) as error:
+            shapes = [tuple(v.shape) for v in values]
+            raise ValueError(
+                f"stack_reducer: cannot stack {where()} along dim {dim}: shapes {shapes}"
+            ) from error
+
+    return _leafwise(results, "stack_reducer", combine)

@@ -1,0 +1,735 @@
+"""How arguments and results travel: differentiable modules, a structure cache, compression.
+
+On torch 2.13 an ``nn.Parameter`` pickled by RPC is rebuilt on the worker as a *new leaf*, so
+distributed autograd never links it to the caller's parameter and the caller's gradients are
+silently lost. metadist therefore never sends a module as is. For each ``nn.Module`` argument it
+sends
+
+* once per worker, the module's *structure*: the module tree pickled with every parameter and
+  buffer left out (cached on the worker, keyed by a fingerprint of those bytes; the caller keeps
+  the bytes and sends them again only when the module's structure changes), and
+* on every call, the parameter tensors as plain tensors (``p.view_as(p)``), which distributed
+  autograd records, so gradients flow back to the caller's parameters; the buffers detached
+  (remote buffer updates, e.g. BatchNorm running statistics, are not sent back); and the
+  ``training`` flag of every submodule.
+
+The worker rebuilds a fresh module object per call (RPC handlers run concurrently), whose
+``_parameters`` hold the received tensors. ``nn.Parameter`` leaves of the arguments are sent as
+plain tensors the same way. With compression (``"bf16"`` or ``"fp16"``), floating-point tensors
+are cast differentiably for the wire, so gradients travel compressed too, and cast back on
+arrival.
+
+Non-tensor attributes of a module (e.g. ``dropout.p``) are captured when its structure is first
+sent; call :func:`invalidate_module_cache` after changing them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+# torch.utils._pytree: no public pytree API in torch 2.13 (see metadist.partition).
+from torch.utils._pytree import (
+    SUPPORTED_NODES,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
+
+__all__ = [
+    "STRUCTURE_CACHE_SIZE",
+    "CallMemo",
+    "clear_module_cache",
+    "compress_tree",
+    "current_context",
+    "decode",
+    "decompress_tree",
+    "encode",
+    "invalidate_module_cache",
+    "mark_structure_confirmed",
+    "resolve_compression",
+]
+
+#: How many module structures a worker keeps (least recently used are evicted).
+STRUCTURE_CACHE_SIZE = 1024
+
+_COMPRESSION = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def resolve_compression(compression: str | None) -> torch.dtype | None:
+    """Map a ``compression`` argument to the wire dtype (``None``: no compression).
+
+    Args:
+        compression: ``None``, ``"bf16"`` or ``"fp16"``.
+
+    Returns:
+        ``torch.bfloat16``, ``torch.float16`` or ``None``.
+
+    Raises:
+        ValueError: Any other value.
+
+    Example:
+        >>> resolve_compression("bf16")
+        torch.bfloat16
+    """
+    if compression is None:
+        return None
+    dtype = _COMPRESSION.get(compression) if isinstance(compression, str) else None
+    if dtype is None:
+        raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}")
+    return dtype
+
+
+# --------------------------------------------------------------------------------------------------
+# Wire objects (pickled by RPC; tensors inside go through RPC's tensor channel)
+
+
+class _Compressed:
+    """A floating-point tensor cast to the wire dtype, with its original dtype."""
+
+    __slots__ = ("dtype", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        self.tensor = tensor
+        self.dtype = dtype
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Compressed, (self.tensor, self.dtype))
+
+
+class _ModuleRef:
+    """A module on the wire: structure fingerprint (+ bytes if not cached yet) and its tensors."""
+
+    __slots__ = (
+        "buffer_dtypes",
+        "buffers",
+        "fingerprint",
+        "param_dtypes",
+        "params",
+        "requires_grad",
+        "structure",
+        "training",
+    )
+
+    def __init__(  # noqa: PLR0917 - rebuilt positionally by __reduce__
+        self,
+        fingerprint: str,
+        structure: bytes | None,
+        params: tuple[torch.Tensor, ...],
+        param_dtypes: tuple[torch.dtype, ...] | None,
+        buffers: tuple[torch.Tensor | None, ...],
+        buffer_dtypes: tuple[torch.dtype | None, ...] | None,
+        training: int,
+        requires_grad: int,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.structure = structure
+        self.params = params
+        self.param_dtypes = param_dtypes
+        self.buffers = buffers
+        self.buffer_dtypes = buffer_dtypes
+        self.training = training
+        self.requires_grad = requires_grad
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _ModuleRef,
+            (
+                self.fingerprint,
+                self.structure,
+                self.params,
+                self.param_dtypes,
+                self.buffers,
+                self.buffer_dtypes,
+                self.training,
+                self.requires_grad,
+            ),
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Caller side: a plan per module, rebuilt only when the module's structure changes
+
+# (slot name, index into the unique tensor list or -1 for None)
+_Slots = tuple[tuple[str, int], ...]
+# Per module: parameter slots, buffer slots, child slots (index into the module list or -1).
+_Spec = tuple[_Slots, _Slots, _Slots]
+
+
+# Where a module sits in the arguments: (args, kwargs, leaf index); named only on errors.
+_Where = tuple[tuple[Any, ...], dict[str, Any], int]
+
+
+class _Plan:
+    __slots__ = (
+        "buffer_reads",
+        "checks",
+        "fingerprint",
+        "param_reads",
+        "structure",
+        "submodules",
+    )
+
+    def __init__(self, module: nn.Module, where: _Where) -> None:
+        modules = list(module.modules())
+        index = {id(m): i for i, m in enumerate(modules)}
+        params: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] = []
+        seen: dict[int, int] = {}
+        # Modules are referred to by index into `modules`: the plan must not hold the root
+        # module strongly (it is the value of a weak-keyed cache entry for that very module).
+        param_reads: list[tuple[int, str, torch.Tensor]] = []
+        buffer_reads: list[tuple[int, str]] = []
+        specs: list[_Spec] = []
+        checks: list[tuple[int, int, int, tuple[nn.Module | None, ...]]] = []
+        for k, m in enumerate(modules):
+            p_slots: list[tuple[str, int]] = []
+            for name, p in m._parameters.items():
+                if p is None:
+                    p_slots.append((name, -1))
+                    continue
+                j = seen.get(id(p))
+                if j is None:  # first occurrence; tied parameters share an index
+                    j = seen[id(p)] = len(params)
+                    params.append(p)
+                    param_reads.append((k, name, p))
+                p_slots.append((name, j))
+            b_slots: list[tuple[str, int]] = []
+            for name, b in m._buffers.items():
+                if b is None:
+                    b_slots.append((name, -1))
+                    continue
+                j = seen.get(id(b))
+                if j is None:
+                    j = seen[id(b)] = len(buffers)
+                    buffers.append(b)
+                    buffer_reads.append((k, name))
+                b_slots.append((name, j))
+            c_slots = tuple(
+                (name, -1 if c is None else index[id(c)]) for name, c in m._modules.items()
+            )
+            specs.append((tuple(p_slots), tuple(b_slots), c_slots))
+            checks.append((k, len(m._parameters), len(m._buffers), tuple(m._modules.values())))
+        # The skeleton: a deep copy with every parameter and buffer replaced by None (the memo
+        # makes deepcopy return None for them instead of copying their data).
+        memo: dict[int, Any] = {id(t): None for t in (*params, *buffers)}
+        try:
+            skeleton = copy.deepcopy(module, memo)
+            for m in skeleton.modules():  # sent per call: keep it out of the fingerprint
+                m.training = True
+            structure = pickle.dumps((skeleton, tuple(specs)), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:
+            raise TypeError(
+                f"module argument {_leaf_name(*where)} ({type(module).__qualname__}) cannot be "
+                f"sent to other workers: pickling its structure failed with "
+                f"{type(error).__name__}: {error}. "
+                f"Its classes (and any hooks) must be defined at module level so that every "
+                f"worker can import them"
+            ) from error
+        self.submodules = tuple(modules[1:])
+        self.checks = tuple(checks)
+        self.param_reads = tuple(param_reads)
+        self.buffer_reads = tuple(buffer_reads)
+        self.structure = structure
+        self.fingerprint = hashlib.blake2b(structure, digest_size=16).hexdigest()
+
+    def modules(self, root: nn.Module) -> tuple[nn.Module, ...]:
+        """The module list (``root.modules()`` order) this plan was made for."""
+        return (root, *self.submodules)
+
+    def still_valid(self, modules: tuple[nn.Module, ...]) -> bool:
+        """Cheap per-call check: same children, same slot counts, same parameter objects."""
+        for k, n_params, n_buffers, children in self.checks:
+            m = modules[k]
+            if (
+                len(m._parameters) != n_params
+                or len(m._buffers) != n_buffers
+                or len(m._modules) != len(children)
+            ):
+                return False
+            for child, cached in zip(m._modules.values(), children, strict=True):
+                if child is not cached:
+                    return False
+        return all(modules[k]._parameters.get(name) is p for k, name, p in self.param_reads)
+
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+_PLANS_LOCK = threading.Lock()
+
+# Structures each worker has confirmed (a call that carried them succeeded), per running world:
+# {world token: {worker name: {fingerprint}}}. A structure is sent with every call to a worker
+# until a call carrying it has succeeded, so concurrent first calls never wait for each other.
+_CONFIRMED: dict[object, dict[str, set[str]]] = {}
+
+
+def invalidate_module_cache(module: nn.Module) -> None:
+    """Forget the cached structure of ``module`` (and its submodules' own entries).
+
+    Structural changes (adding, removing or replacing submodules, parameters or buffers) are
+    detected automatically; call this after changing a non-tensor attribute such as
+    ``dropout.p`` so that workers see the new value. The ``training`` flag is sent on every call
+    and needs no invalidation.
+
+    Args:
+        module: The caller's module.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Dropout(0.1)
+        >>> model.p = 0.5
+        >>> invalidate_module_cache(model)
+    """
+    with _PLANS_LOCK:
+        for m in module.modules():
+            _PLANS.pop(m, None)
+
+
+def clear_module_cache() -> None:
+    """Forget every cached structure on this worker, as caller and as worker.
+
+    Example:
+        >>> clear_module_cache()
+    """
+    with _PLANS_LOCK:
+        _PLANS.clear()
+        _CONFIRMED.clear()
+    with _STRUCTURES_LOCK:
+        _STRUCTURES.clear()
+
+
+def _plan_for(module: nn.Module, where: _Where) -> tuple[_Plan, tuple[nn.Module, ...]]:
+    plan = _PLANS.get(module)
+    if plan is not None:
+        modules = plan.modules(module)
+        if plan.still_valid(modules):
+            return plan, modules
+    plan = _Plan(module, where)
+    with _PLANS_LOCK:
+        _PLANS[module] = plan
+    return plan, plan.modules(module)
+
+
+def mark_structure_confirmed(world: object, worker: str, fingerprints: tuple[str, ...]) -> None:
+    """Record that ``worker`` has cached the given structures (a call carrying them succeeded).
+
+    Args:
+        world: A token identifying the running world (structures do not outlive a world).
+        worker: The worker's name.
+        fingerprints: Structure fingerprints the call carried.
+
+    Example:
+        >>> mark_structure_confirmed(object(), "worker1", ())
+    """
+    if fingerprints:
+        _CONFIRMED.setdefault(world, {}).setdefault(worker, set()).update(fingerprints)
+
+
+def _is_confirmed(world: object, worker: str, fingerprint: str) -> bool:
+    per_world = _CONFIRMED.get(world)
+    if per_world is None:
+        if _CONFIRMED:  # a previous world's confirmations are meaningless now
+            _CONFIRMED.clear()
+        return False
+    known = per_world.get(worker)
+    return known is not None and fingerprint in known
+
+
+def _wire(
+    tensor: torch.Tensor, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.dtype | None]:
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        return tensor.to(dtype), tensor.dtype
+    return tensor, None
+
+
+class CallMemo:
+    """Per-call memo so that a module or parameter used by several partitions is encoded once.
+
+    Example:
+        >>> memo = CallMemo()
+    """
+
+    __slots__ = ("modules", "tensors")
+
+    def __init__(self) -> None:
+        self.modules: dict[int, tuple[_Plan, tuple[Any, ...]]] = {}
+        self.tensors: dict[int, Any] = {}
+
+
+def _encode_module(
+    module: nn.Module, where: _Where, dtype: torch.dtype | None, memo: CallMemo
+) -> Any:
+    cached = memo.modules.get(id(module))
+    if cached is not None:
+        return cached
+    plan, modules = _plan_for(module, where)
+    track = torch.is_grad_enabled()
+    params: list[torch.Tensor] = []
+    param_dtypes: list[torch.dtype] = []
+    requires_grad = 0
+    for i, (_, _, p) in enumerate(plan.param_reads):
+        if p.requires_grad:
+            requires_grad |= 1 << i
+        # A plain-tensor view of the parameter is what distributed autograd records.
+        t = p.view_as(p) if track and p.requires_grad else p.detach()
+        t, original = _wire(t, dtype)
+        params.append(t)
+        param_dtypes.append(original if original is not None else p.dtype)
+    buffers: list[torch.Tensor | None] = []
+    buffer_dtypes: list[torch.dtype | None] = []
+    for k, name in plan.buffer_reads:
+        b = modules[k]._buffers.get(name)
+        if b is None:
+            buffers.append(None)
+            buffer_dtypes.append(None)
+            continue
+        wire, original = _wire(b.detach(), dtype)
+        buffers.append(wire)
+        buffer_dtypes.append(original)
+    training = 0
+    for i, m in enumerate(modules):
+        if m.training:
+            training |= 1 << i
+    parts = (
+        tuple(params),
+        tuple(param_dtypes) if dtype is not None else None,
+        tuple(buffers),
+        tuple(buffer_dtypes) if dtype is not None else None,
+        training,
+        requires_grad,
+    )
+    memo.modules[id(module)] = (plan, parts)
+    return plan, parts
+
+
+_SCALARS = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _needs_encoding(obj: Any, dtype: torch.dtype | None) -> bool:
+    """Whether ``obj`` holds a module, a parameter or (with compression) a float tensor.
+
+    A quick scan of plain containers; any other pytree container answers True so that the
+    full pytree walk decides.
+    """
+    if isinstance(obj, torch.Tensor):
+        if isinstance(obj, nn.Parameter):
+            return True
+        return dtype is not None and obj.is_floating_point() and obj.dtype != dtype
+    kind = type(obj)
+    # Explicit loops: this runs on every call and is faster than any() over a generator.
+    if kind is tuple or kind is list:
+        for item in obj:  # noqa: SIM110
+            if _needs_encoding(item, dtype):
+                return True
+        return False
+    if kind is dict:
+        for item in obj.values():  # noqa: SIM110
+            if _needs_encoding(item, dtype):
+                return True
+        return False
+    if isinstance(obj, nn.Module):
+        return True
+    if isinstance(obj, _SCALARS):
+        return False
+    return isinstance(obj, (tuple, list, dict)) or kind in SUPPORTED_NODES
+
+
+def _leaf_name(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> str:
+    pairs, _ = tree_flatten_with_path((args, kwargs))
+    path = pairs[index][0]
+    return ("args" if getattr(path[0], "idx", 0) == 0 else "kwargs") + keystr(path[1:])
+
+
+def encode(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    world: object,
+    worker: str,
+    dtype: torch.dtype | None,
+    memo: CallMemo,
+) -> tuple[tuple[Any, ...], dict[str, Any], bool, tuple[str, ...]]:
+    """Prepare one partition's arguments for the wire (caller side).
+
+    Args:
+        args: Positional arguments of the partition.
+        kwargs: Keyword arguments of the partition.
+        world: Token of the running world (for the structure cache).
+        worker: Name of the destination worker.
+        dtype: Wire dtype for compression, or ``None``.
+        memo: The call's :class:`CallMemo`, shared by its partitions.
+
+    Returns:
+        ``(args, kwargs, needs_decode, carried)``: the arguments to send, whether the worker
+        must :func:`decode` them, and the fingerprints of structures sent along.
+
+    Raises:
+        TypeError: A module argument cannot be pickled.
+
+    Example:
+        >>> import torch
+        >>> encode((torch.ones(1),), {}, world=None, worker="w", dtype=None, memo=CallMemo())[2]
+        False
+    """
+    if not _needs_encoding(args, dtype) and not _needs_encoding(kwargs, dtype):
+        return args, kwargs, False, ()  # the common fast path: nothing to rewrite
+    leaves, spec = tree_flatten((args, kwargs))
+    changed = False
+    carried: list[str] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, nn.Module):
+            plan, parts = _encode_module(leaf, (args, kwargs, i), dtype, memo)
+            structure = None
+            if not _is_confirmed(world, worker, plan.fingerprint):
+                structure = plan.structure
+                carried.append(plan.fingerprint)
+            leaves[i] = _ModuleRef(plan.fingerprint, structure, *parts)
+            changed = True
+        elif isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, nn.Parameter):
+                wire = memo.tensors.get(id(leaf))
+                if wire is None:
+                    t = (
+                        leaf.view_as(leaf)
+                        if torch.is_grad_enabled() and leaf.requires_grad
+                        else (leaf.detach())
+                    )
+                    t, original = _wire(t, dtype)
+                    wire = memo.tensors[id(leaf)] = (
+                        t if original is None else _Compressed(t, original)
+                    )
+                leaves[i] = wire
+                changed = True
+            elif dtype is not None and leaf.is_floating_point() and leaf.dtype != dtype:
+                leaves[i] = _Compressed(leaf.to(dtype), leaf.dtype)
+                changed = True
+    if not changed:
+        return args, kwargs, False, ()
+    new_args, new_kwargs = tree_unflatten(leaves, spec)
+    return new_args, new_kwargs, True, tuple(carried)
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker side: cached structures and per-call module rebuilding
+
+
+class _Recipe:
+    """What a worker needs to build a fresh module per call from a cached structure."""
+
+    __slots__ = ("bases", "classes", "specs")
+
+    def __init__(self, skeleton: nn.Module, specs: tuple[_Spec, ...]) -> None:
+        modules = list(skeleton.modules())
+        if len(modules) != len(specs):
+            raise RuntimeError(
+                f"module structure mismatch: {len(modules)} modules but {len(specs)} specs"
+            )
+        skip = {"_parameters", "_buffers", "_modules", "training"}
+        self.classes = tuple(type(m) for m in modules)
+        self.bases = tuple({k: v for k, v in m.__dict__.items() if k not in skip} for m in modules)
+        self.specs = specs
+
+    def build(
+        self,
+        params: list[torch.Tensor],
+        buffers: list[torch.Tensor | None],
+        training: int,
+    ) -> nn.Module:
+        fresh = [cls.__new__(cls) for cls in self.classes]
+        for i, (module, base, (p_slots, b_slots, c_slots)) in enumerate(
+            zip(fresh, self.bases, self.specs, strict=True)
+        ):
+            state = dict(base)  # shallow: non-tensor attributes are shared, read-only
+            state["_parameters"] = {n: (params[j] if j >= 0 else None) for n, j in p_slots}
+            state["_buffers"] = {n: (buffers[j] if j >= 0 else None) for n, j in b_slots}
+            state["_modules"] = {n: (fresh[j] if j >= 0 else None) for n, j in c_slots}
+            state["training"] = bool(training >> i & 1)
+            object.__setattr__(module, "__dict__", state)
+        return fresh[0]
+
+
+_STRUCTURES: OrderedDict[str, _Recipe] = OrderedDict()
+_STRUCTURES_LOCK = threading.Lock()
+
+
+def _recipe(fingerprint: str, structure: bytes | None) -> _Recipe:
+    with _STRUCTURES_LOCK:
+        recipe = _STRUCTURES.get(fingerprint)
+        if recipe is not None:
+            _STRUCTURES.move_to_end(fingerprint)
+            return recipe
+    if structure is None:
+        raise RuntimeError(
+            f"module structure {fingerprint} is not cached on this worker (it keeps the "
+            f"{STRUCTURE_CACHE_SIZE} most recently used structures); call "
+            f"metadist.transport.clear_module_cache() on the caller to resend structures"
+        )
+    skeleton, specs = pickle.loads(structure)
+    recipe = _Recipe(skeleton, specs)
+    with _STRUCTURES_LOCK:
+        _STRUCTURES[fingerprint] = recipe
+        while len(_STRUCTURES) > STRUCTURE_CACHE_SIZE:
+            _STRUCTURES.popitem(last=False)
+    return recipe
+
+
+def _unwire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
+def _decode_module(ref: _ModuleRef) -> nn.Module:
+    recipe = _recipe(ref.fingerprint, ref.structure)
+    params = list(ref.params)
+    if ref.param_dtypes is not None:
+        params = [_unwire(t, d) for t, d in zip(params, ref.param_dtypes, strict=True)]
+    for i, t in enumerate(params):
+        # Outside a distributed autograd context nothing is tracked; keep requires_grad anyway
+        # so local autograd inside the remote function behaves as with the caller's module.
+        if ref.requires_grad >> i & 1 and not t.requires_grad:
+            t.requires_grad_(True)
+    buffers = list(ref.buffers)
+    if ref.buffer_dtypes is not None:
+        buffers = [
+            None if b is None else _unwire(b, d)
+            for b, d in zip(buffers, ref.buffer_dtypes, strict=True)
+        ]
+    return recipe.build(params, buffers, ref.training)
+
+
+def decode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Rebuild modules and decompress tensors of arguments made by :func:`encode` (worker side).
+
+    Args:
+        args: Positional arguments as received.
+        kwargs: Keyword arguments as received.
+
+    Returns:
+        The arguments the remote function is called with.
+
+    Raises:
+        RuntimeError: A module structure is neither carried nor cached.
+
+    Example:
+        >>> decode((1,), {"a": 2})
+        ((1,), {'a': 2})
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _ModuleRef):
+            leaves[i] = _decode_module(leaf)
+        elif isinstance(leaf, _Compressed):
+            leaves[i] = _unwire(leaf.tensor, leaf.dtype)
+    new_args, new_kwargs = tree_unflatten(leaves, spec)
+    return new_args, new_kwargs
+
+
+def compress_tree(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast floating-point tensor leaves of ``tree`` to ``dtype`` for the wire (differentiably).
+
+    Args:
+        tree: A pytree (a remote function's result).
+        dtype: The wire dtype.
+
+    Returns:
+        The tree with those leaves wrapped for :func:`decompress_tree`.
+
+    Example:
+        >>> import torch
+        >>> decompress_tree(compress_tree([torch.ones(2)], torch.bfloat16))[0].dtype
+        torch.float32
+    """
+    leaves, spec = tree_flatten(tree)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
+            leaves[i] = _Compressed(leaf.to(dtype), leaf.dtype)
+    return tree_unflatten(leaves, spec)
+
+
+def decompress_tree(tree: Any) -> Any:
+    """Undo :func:`compress_tree`.
+
+    Args:
+        tree: A pytree as received.
+
+    Returns:
+        The tree with tensors in their original dtypes.
+
+    Example:
+        >>> decompress_tree({"a": 1})
+        {'a': 1}
+    """
+    leaves, spec = tree_flatten(tree)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Compressed):
+            leaves[i] = _unwire(leaf.tensor, leaf.dtype)
+    return tree_unflatten(leaves, spec)
+
+
+# --------------------------------------------------------------------------------------------------
+# Distributed autograd bookkeeping shared by metadist.api (writes) and metadist.autograd (reads)
+
+_LOCAL = threading.local()
+# Autograd nodes of remote results received inside each metadist context: a backward pass in
+# that context must reach all of them, or torch's distributed autograd (FAST mode) waits forever.
+_RECEIVED: dict[int, list[Any]] = {}
+_RECEIVED_LOCK = threading.Lock()
+
+
+def current_context() -> int | None:
+    """Return the id of the innermost :func:`metadist.autograd.context` of this thread, if any.
+
+    Example:
+        >>> current_context() is None
+        True
+    """
+    stack: list[int] | None = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _push_context(context_id: int) -> None:
+    stack: list[int] | None = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(context_id)
+
+
+def _pop_context(context_id: int) -> None:
+    stack: list[int] = _LOCAL.stack
+    stack.remove(context_id)
+    with _RECEIVED_LOCK:
+        _RECEIVED.pop(context_id, None)
+
+
+def _record_received(context_id: int, nodes: list[Any]) -> None:
+    if nodes:
+        with _RECEIVED_LOCK:
+            _RECEIVED.setdefault(context_id, []).extend(nodes)
+
+
+def _received(context_id: int) -> list[Any]:
+    with _RECEIVED_LOCK:
+        return list(_RECEIVED.get(context_id, ()))
+
+
+def _grad_nodes(tree: Any) -> Iterator[Any]:
+    leaves, _ = tree_flatten(tree)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+            yield leaf.grad_fn
+        elif isinstance(leaf, _Compressed) and leaf.tensor.grad_fn is not None:
+            yield leaf.tensor.grad_fn
