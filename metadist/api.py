@@ -630,32 +630,7 @@ def parallelize_async(
         >>> main()
         [tensor(9.)]
     """
-    _check_partitioner(partitioner)
-    _check_reducer(reducer)
-    _resolve_timeout(timeout)
-    transport.resolve_compression(compression)
-
-    def decorator(func: Callable[P, Any]) -> Callable[P, Future[Any]]:
-        if not callable(func):
-            raise TypeError(f"parallelize decorates a function, got {func!r}")
-        _check_definition(func)
-
-        @functools.wraps(func)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> Future[Any]:
-            return remote_async_call(
-                wrapper,
-                args=args,
-                kwargs=kwargs,
-                partitioner=partitioner,
-                reducer=reducer,
-                timeout=timeout,
-                compression=compression,
-            )
-
-        setattr(wrapper, _ORIGINAL, func)
-        return wrapper
-
-    return decorator
+    return _parallelizer(partitioner, reducer, timeout, compression, sync=False)
 
 
 def parallelize_sync(
@@ -688,6 +663,18 @@ def parallelize_sync(
         >>> main()
         tensor(15.)
     """
+    return _parallelizer(partitioner, reducer, timeout, compression, sync=True)
+
+
+def _parallelizer(
+    partitioner: Partitioner | None,
+    reducer: Reducer | None,
+    timeout: float | None,
+    compression: str | None,
+    *,
+    sync: bool,
+) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
+    # Check everything at decoration time, so that a bad decorator fails at import.
     _check_partitioner(partitioner)
     _check_reducer(reducer)
     _resolve_timeout(timeout)
@@ -700,9 +687,9 @@ def parallelize_sync(
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            return _start(
-                wrapper, args, kwargs, partitioner, reducer, timeout, compression
-            ).collect()
+            # The wrapper is what pickles by name; workers run _ORIGINAL (see _run_partition).
+            call = _start(wrapper, args, kwargs, partitioner, reducer, timeout, compression)
+            return call.collect() if sync else call.future()
 
         setattr(wrapper, _ORIGINAL, func)
         return wrapper

@@ -12,6 +12,13 @@ class RemoteError(RuntimeError):
     argument, metadist re-raises that type instead; either way the exception carries the
     attributes below and its message names the worker, the partition and the remote traceback.
 
+    Args:
+        message: The error message (metadist's include the remote traceback).
+        worker_name: Name of the worker the partition ran on.
+        partition_index: Index of the failed partition.
+        remote_type: ``module.qualname`` of the remote exception's type.
+        remote_traceback: The formatted traceback captured on the worker.
+
     Attributes:
         worker_name: Name of the worker the partition ran on.
         partition_index: Index of the failed partition (partition order).

@@ -36,6 +36,10 @@ Partition = tuple[int, tuple[Any, ...], dict[str, Any]]
 class Partitions(list[Partition]):
     """A list of ``(worker_id, args, kwargs)`` triples plus the batch size of each partition.
 
+    Args:
+        items: The ``(worker_id, args, kwargs)`` triples, in partition order.
+        sizes: Number of batch items in each partition, or ``None`` when unknown.
+
     Attributes:
         sizes: Number of batch items in each partition (partition order), or ``None`` when
             unknown. :func:`metadist.mean_reducer` uses it to weight partition results.
@@ -90,6 +94,18 @@ class DimPartitioner:
 
     Instances are picklable (they pickle as their constructor arguments), so a partitioner can be
     sent to another worker, e.g. for nested remote calls.
+
+    Args:
+        dim: The dimension to split every tensor leaf along.
+        exclusive: One item per partition (round-robin over the workers) instead of one
+            contiguous, balanced chunk per worker.
+        keepdim: With ``exclusive=True``, ``False`` removes the split dimension.
+        workers: Worker ranks or names to use, in order (default: all workers).
+
+    Raises:
+        TypeError: ``dim`` is not an int, ``exclusive``/``keepdim`` not bools, or ``workers`` not
+            a sequence of ranks or names.
+        ValueError: ``keepdim=False`` without ``exclusive=True``, or an empty ``workers``.
 
     Example:
         >>> import torch

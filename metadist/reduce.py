@@ -29,6 +29,10 @@ __all__ = [
 class PartitionResults(list[Any]):
     """The per-partition results handed to a reducer, with the partition sizes if known.
 
+    Args:
+        items: The per-partition results, in partition order.
+        sizes: Batch items in each partition, or ``None`` when unknown.
+
     Attributes:
         sizes: Batch items per partition (partition order), or ``None``.
 

@@ -292,7 +292,10 @@ def get_world_info() -> WorldInfo:
 
 
 def get_world_rank() -> int:
-    """Return the global rank of this worker.
+    """Return the global rank of this worker (``get_rank`` is an alias).
+
+    Returns:
+        The rank, in ``[0, world_size)``; ``0`` outside torchrun.
 
     Example:
         >>> get_world_rank() >= 0
@@ -307,6 +310,9 @@ get_rank = get_world_rank
 def get_world_size() -> int:
     """Return the number of workers in the job.
 
+    Returns:
+        ``WORLD_SIZE`` of the running job; ``1`` outside torchrun.
+
     Example:
         >>> get_world_size() >= 1
         True
@@ -316,6 +322,9 @@ def get_world_size() -> int:
 
 def get_local_rank() -> int:
     """Return the rank of this worker on its node (e.g. to pick a GPU).
+
+    Returns:
+        The local rank, in ``[0, local_world_size)``.
 
     Example:
         >>> get_local_rank() >= 0
@@ -327,6 +336,9 @@ def get_local_rank() -> int:
 def get_local_world_size() -> int:
     """Return the number of workers on this node.
 
+    Returns:
+        ``LOCAL_WORLD_SIZE`` of the running job; ``1`` outside torchrun.
+
     Example:
         >>> get_local_world_size() >= 1
         True
@@ -336,6 +348,9 @@ def get_local_world_size() -> int:
 
 def get_worker_names() -> tuple[str, ...]:
     """Return the names of all workers, indexed by rank.
+
+    Returns:
+        The worker names in rank order.
 
     Raises:
         RuntimeError: RPC is not running (see :func:`metadist.auto_init_rpc`).
@@ -610,6 +625,12 @@ def not_on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]
 def rank_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
     """Run ``func`` only on rank 0; other ranks get ``None``.
 
+    Args:
+        func: The function to guard (the rank is checked at call time).
+
+    Returns:
+        A wrapper returning ``func``'s result on rank 0 and ``None`` on other ranks.
+
     Example:
         >>> @rank_zero_only
         ... def save(path):
@@ -622,6 +643,12 @@ def rank_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
 
 def rank_non_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
     """Run ``func`` on every rank but 0; rank 0 gets ``None``.
+
+    Args:
+        func: The function to guard (the rank is checked at call time).
+
+    Returns:
+        A wrapper returning ``func``'s result on ranks other than 0 and ``None`` on rank 0.
 
     Example:
         >>> @rank_non_zero_only

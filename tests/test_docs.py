@@ -5,14 +5,24 @@ Conventions for fenced blocks in ``docs/*.md`` and ``README.md``:
 - a ```` ```python ```` block runs as a script under plain ``python`` (a world of 1);
 - preceded by ``<!-- torchrun: N -->`` it runs under ``torchrun --standalone --nproc_per_node=N``;
 - preceded by ``<!-- illustrative: reason -->`` it is not run (the reason is required);
+- preceded by ``<!-- requires: torchopt -->`` it runs under plain ``python`` with TorchOpt
+  importable, and is skipped (with the reason shown) where TorchOpt is not installed: metadist
+  does not depend on it. Besides the environment, ``.bench-deps/torchopt`` (where
+  ``benchmarks/bench_maml.py`` expects it) is searched;
 - any other language (bash, console, text) must be marked illustrative;
 - MyST directives (```` ```{toctree} ````, ```` ```{eval-rst} ````) are not code.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import inspect
+import os
 import re
 import sys
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,11 +87,28 @@ def test_block_is_runnable_or_says_why_not(block: Block) -> None:
     if block.marker == "illustrative":
         assert block.arg, f"{block.id}: an illustrative block must give its reason"
         return
-    assert block.marker in (None, "torchrun"), f"{block.id}: unknown marker {block.marker!r}"
+    assert block.marker in (None, "torchrun", "requires"), (
+        f"{block.id}: unknown marker {block.marker!r}"
+    )
+    if block.marker == "requires":
+        assert block.arg in OPTIONAL_PACKAGES, f"{block.id}: unknown requirement {block.arg!r}"
     assert block.lang == "python", (
         f"{block.id}: a {block.lang or 'plain'} block must be marked "
         f"<!-- illustrative: reason --> or be python"
     )
+
+
+# Packages a doc block may require (metadist does not depend on them): name -> where
+# benchmarks install them when they are not in the environment.
+OPTIONAL_PACKAGES = {"torchopt": REPO / ".bench-deps" / "torchopt"}
+
+
+def _optional_package_path(name: str) -> str | None:
+    """A PYTHONPATH entry that makes ``name`` importable ("" if it already is), else None."""
+    if importlib.util.find_spec(name) is not None:
+        return ""
+    target = OPTIONAL_PACKAGES[name]
+    return str(target) if (target / name / "__init__.py").is_file() else None
 
 
 @pytest.mark.timeout(600)
@@ -90,6 +117,16 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(block.body)
     env = {"PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
+    if block.marker == "requires":
+        extra = _optional_package_path(block.arg)
+        if extra is None:
+            pytest.skip(
+                f"{block.id} needs {block.arg}, which metadist does not depend on: "
+                f"pip install --target {OPTIONAL_PACKAGES[block.arg].relative_to(REPO)} "
+                f"{block.arg}==0.7.3 optree graphviz --no-deps"
+            )
+        if extra:
+            env["PYTHONPATH"] = f"{REPO}{os.pathsep}{extra}"
     if block.marker == "torchrun":
         result = run_torchrun(script, int(block.arg), timeout=180, env=env, cwd=tmp_path)
     else:
@@ -100,20 +137,159 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     )
 
 
+PUBLIC_MODULES = (metadist, metadist.optim, metadist.autograd)
+
+
+def _public_objects() -> list[tuple[str, object]]:
+    """``(qualified name, object)`` for every public non-module name, each object once."""
+    seen: dict[int, tuple[str, object]] = {}
+    for module in PUBLIC_MODULES:
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not isinstance(obj, types.ModuleType):
+                seen.setdefault(id(obj), (f"{module.__name__}.{name}", obj))
+    return list(seen.values())
+
+
 def test_every_public_name_is_in_the_api_reference() -> None:
-    reference = "\n".join(p.read_text() for p in (REPO / "docs").glob("*.md"))
+    reference = (REPO / "docs" / "api.md").read_text()
     documented = set(re.findall(r"^\s+(?:metadist\.)?([A-Za-z_][\w.]*)\s*$", reference, re.M))
     missing = [name for name in metadist.__all__ if name not in documented]
+    missing += [name for name in metadist.optim.__all__ if name not in documented]
+    missing += [
+        f"autograd.{name}"
+        for name in metadist.autograd.__all__
+        if f"autograd.{name}" not in documented
+    ]
     assert not missing, f"public names missing from the API reference (docs/api.md): {missing}"
 
 
 def test_every_public_name_has_a_docstring_with_an_example() -> None:
     lacking = []
-    for name in metadist.__all__:
-        obj = getattr(metadist, name)
+    for qualname, obj in _public_objects():
         if isinstance(obj, (str, int, float, tuple)):
             continue
-        doc = getattr(obj, "__doc__", None) or ""
-        if "Example" not in doc:
-            lacking.append(name)
+        doc = inspect.getdoc(obj) or ""
+        if not re.search(r"^Examples?:\s*$", doc, re.M):
+            lacking.append(qualname)
     assert not lacking, f"public names without a docstring example: {lacking}"
+
+
+def _section(doc: str, *titles: str) -> str | None:
+    """The indented body of the Google-style sections ``titles`` of ``doc`` (None if absent)."""
+    body: list[str] = []
+    found = False
+    for match in re.finditer(rf"^(?P<indent> *)(?:{'|'.join(titles)}):[ \t]*$", doc, re.M):
+        found = True
+        indent = len(match["indent"])
+        for line in doc[match.end() :].split("\n")[1:]:
+            if line.strip() and len(line) - len(line.lstrip()) <= indent:
+                break
+            body.append(line)
+    return "\n".join(body) if found else None
+
+
+def _own_source(func: Callable[..., object]) -> str:
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return ""
+    return source.split('"""', 2)[-1]  # the body after the docstring
+
+
+def _docstring_problems(
+    name: str, func: Callable[..., object], doc: str, method: bool
+) -> list[str]:
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # builtins without a signature
+        return []
+    problems = []
+    params = [
+        p for p in signature.parameters.values() if not (method and p.name in ("self", "cls"))
+    ]
+    args = _section(doc, "Args", "Arguments", "Attributes")
+    for param in params:
+        if args is None or not re.search(rf"^\s*\**{re.escape(param.name)}\b", args, re.M):
+            problems.append(f"{name}: parameter {param.name!r} is not described under Args")
+    returns = signature.return_annotation
+    returns_something = returns not in (inspect.Signature.empty, None, "None")
+    if returns_something and _section(doc, "Returns", "Yields") is None:
+        problems.append(f"{name}: returns {returns} but has no Returns section")
+    if (
+        re.search(r"^\s*raise [A-Z]\w*\(", _own_source(func), re.M)
+        and _section(doc, "Raises") is None
+    ):
+        problems.append(f"{name}: raises but has no Raises section")
+    return problems
+
+
+def test_every_public_callable_documents_args_returns_and_raises() -> None:
+    """Google-style sections (rendered by napoleon) for every public function, class and method.
+
+    Every parameter is named under ``Args:`` (for a class: in the class or ``__init__``
+    docstring; a dataclass may list its fields under ``Attributes:``); a callable annotated to
+    return something has ``Returns:``; one whose own body raises has ``Raises:``; every public
+    method has a docstring with an example.
+    """
+    problems: list[str] = []
+    for qualname, obj in _public_objects():
+        if inspect.isclass(obj):
+            doc = inspect.getdoc(obj) or ""
+            if "__init__" in vars(obj) or dataclasses.is_dataclass(obj):
+                init_doc = inspect.getdoc(obj.__init__) if "__init__" in vars(obj) else ""
+                problems += _docstring_problems(
+                    f"{qualname}.__init__", obj.__init__, f"{doc}\n{init_doc or ''}", True
+                )
+            for attr, member in vars(obj).items():
+                if attr.startswith("_"):
+                    continue
+                if isinstance(member, property):
+                    if not (member.__doc__ or "").strip():
+                        problems.append(f"{qualname}.{attr}: property without a docstring")
+                    continue
+                func = (
+                    member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+                )
+                if not inspect.isfunction(func):
+                    continue
+                func_doc = inspect.getdoc(func) or ""
+                if not re.search(r"^Examples?:\s*$", func_doc, re.M):
+                    problems.append(f"{qualname}.{attr}: no docstring example")
+                problems += _docstring_problems(f"{qualname}.{attr}", func, func_doc, True)
+        elif callable(obj):
+            problems += _docstring_problems(qualname, obj, inspect.getdoc(obj) or "", False)
+    assert not problems, "\n".join(problems)
+
+
+DOCTEST_RUNNER = """
+import doctest, importlib, pkgutil, sys
+import metadist
+failed = attempted = 0
+names = ["metadist", *(m.name for m in pkgutil.walk_packages(metadist.__path__, "metadist."))]
+for name in names:
+    result = doctest.testmod(
+        importlib.import_module(name),
+        optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+    )
+    print(f"{name}: {result.attempted} examples, {result.failed} failed", flush=True)
+    failed += result.failed
+    attempted += result.attempted
+print(f"total: {attempted} examples, {failed} failed")
+sys.exit(1 if failed or attempted < 100 else 0)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_docstring_examples_run() -> None:
+    """Every docstring example of the package runs as a doctest.
+
+    Examples that call remote functions run as a world of 1 inside
+    ``@metadist.auto_init_rpc()``. Those that need several workers or an object built in the
+    class example (``opt``, ``cid``) carry ``# doctest: +SKIP`` and say so in the docstring.
+    They run in one fresh process, so that RPC started by an example never touches this test
+    process.
+    """
+    env = {"PYTHONPATH": str(REPO)}
+    result = run_command([sys.executable, "-c", DOCTEST_RUNNER], timeout=240, env=env)
+    assert result.returncode == 0, f"doctests failed:\n{result.stdout}\n{result.stderr}"

@@ -48,7 +48,7 @@ __all__ = ["evaluate", "main", "meta_loss", "parse_args", "pretrain_baseline", "
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (defaults: Finn et al.'s setup with a short schedule)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3000, help="meta-steps (total, also on resume)")
+    p.add_argument("--steps", type=int, default=8000, help="meta-steps (total, also on resume)")
     p.add_argument("--tasks", type=int, default=25, help="tasks per meta-batch")
     p.add_argument("--shots", type=int, default=10, help="K: support (and query) points per task")
     p.add_argument("--inner-steps", type=int, default=1, help="SGD steps of adaptation in training")

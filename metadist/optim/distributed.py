@@ -89,16 +89,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             All checked before any request is sent.
 
     Example:
-        >>> # doctest: +SKIP
-        >>> import torch, torch.distributed.autograd as dist_autograd
+        A world of 1 (plain ``python``), where this process owns the parameter; with more
+        workers, pass RRefs owned by them (``rpc.remote(name, make_param)``):
+
+        >>> import torch
         >>> import torch.distributed.rpc as rpc
+        >>> import metadist
         >>> from metadist.optim import DistributedOptimizer
-        >>> w = rpc.remote("worker1", torch.ones, args=(3,), kwargs={"requires_grad": True})
-        >>> opt = DistributedOptimizer(torch.optim.Adam, [w], lr=0.1)
-        >>> with dist_autograd.context() as cid:
-        ...     loss = rpc.rpc_sync("worker1", torch.sum, args=(w.to_here(),))
-        ...     dist_autograd.backward(cid, [loss])
-        ...     opt.step(cid)
+        >>> @metadist.auto_init_rpc()
+        ... def main():
+        ...     w = rpc.RRef(torch.ones(3, requires_grad=True))
+        ...     opt = DistributedOptimizer(torch.optim.SGD, [w], lr=0.5)
+        ...     with metadist.autograd.context() as cid:
+        ...         metadist.autograd.backward(cid, [w.to_here().sum()])
+        ...         opt.step(cid)
+        ...     return w.to_here()
+        >>> main()
+        tensor([0.5000, 0.5000, 0.5000], requires_grad=True)
+
+        The method examples below assume such an ``opt`` and a context ``cid`` inside a running
+        world, so they are not run as doctests.
     """
 
     def __init__(
@@ -233,8 +243,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             set_to_none: Ignored; kept for ``torch.optim.Optimizer`` compatibility.
 
         Example:
-            >>> # doctest: +SKIP
-            >>> opt.zero_grad()  # a no-op; each context starts with no gradients
+            >>> opt.zero_grad()  # a no-op; each context starts with no gradients  # doctest: +SKIP
         """
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -247,8 +256,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             NotImplementedError: Always.
 
         Example:
-            >>> # doctest: +SKIP
-            >>> opt.add_param_group({"params": []})  # raises NotImplementedError
+            >>> opt.add_param_group({"params": []})  # raises NotImplementedError  # doctest: +SKIP
         """
         raise NotImplementedError(
             "DistributedOptimizer has one param group; create a second DistributedOptimizer "
@@ -260,8 +268,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Whether the next ``step`` updates the parameters (last pass of an accumulation window).
 
         Example:
-            >>> # doctest: +SKIP
-            >>> if opt.next_step_applies:
+            >>> if opt.next_step_applies:  # doctest: +SKIP
             ...     clip_grad_norm_(opt, cid, max_norm=1.0)
         """
         return self._passes + 1 >= self.backward_passes_per_step
@@ -274,8 +281,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``"torch"`` and kernel ``"fused"``/``"foreach"``/``"single-tensor"``/``"torch.optim"``.
 
         Example:
-            >>> # doctest: +SKIP
-            >>> opt.describe()
+            >>> opt.describe()  # doctest: +SKIP
             {'worker0': ('eager', 'fused', 2), 'worker1': ('eager', 'fused', 3)}
         """
         futures = {
@@ -304,8 +310,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             RuntimeError: If a request failed or timed out (with the owner's error).
 
         Example:
-            >>> # doctest: +SKIP
-            >>> with dist_autograd.context() as cid:
+            >>> with dist_autograd.context() as cid:  # doctest: +SKIP
             ...     dist_autograd.backward(cid, [loss])
             ...     opt.step(cid)
         """
@@ -335,8 +340,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ValueError: If ``context_id`` is not a live context of this process.
 
         Example:
-            >>> # doctest: +SKIP
-            >>> opt.skip(cid)  # no owner updates; the accumulation window restarts
+            >>> opt.skip(cid)  # no owner updates; the window restarts  # doctest: +SKIP
         """
         _check_context(context_id)
         self._acquire_caller()
@@ -357,8 +361,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``{"state": {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``.
 
         Example:
-            >>> # doctest: +SKIP
-            >>> torch.save(opt.state_dict(), "opt.pt")
+            >>> torch.save(opt.state_dict(), "opt.pt")  # doctest: +SKIP
         """
         futures = {
             o: rpc.rpc_async(o, _local.local_state, args=(r,), timeout=self.timeout)
@@ -392,8 +395,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 before any request.
 
         Example:
-            >>> # doctest: +SKIP
-            >>> opt.load_state_dict(torch.load("opt.pt"))
+            >>> opt.load_state_dict(torch.load("opt.pt"))  # doctest: +SKIP
         """
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError(
@@ -458,8 +460,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             The total norm before clipping (0-dim float tensor).
 
         Example:
-            >>> # doctest: +SKIP
-            >>> total = opt.clip_grad_norm_(cid, max_norm=1.0)
+            >>> total = opt.clip_grad_norm_(cid, max_norm=1.0)  # doctest: +SKIP
         """
         return clip_grad_norm_(self, context_id, max_norm, norm_type, error_if_nonfinite)
 
@@ -557,11 +558,21 @@ def clip_grad_norm_(
         RuntimeError: If ``error_if_nonfinite`` and the total norm is not finite.
 
     Example:
-        >>> # doctest: +SKIP
-        >>> with dist_autograd.context() as cid:
-        ...     dist_autograd.backward(cid, [loss])
-        ...     total = clip_grad_norm_(opt, cid, max_norm=1.0)
-        ...     opt.step(cid)
+        >>> import torch
+        >>> import torch.distributed.rpc as rpc
+        >>> import metadist
+        >>> from metadist.optim import DistributedOptimizer, clip_grad_norm_
+        >>> @metadist.auto_init_rpc()
+        ... def main():
+        ...     w = rpc.RRef(torch.ones(3, requires_grad=True))
+        ...     opt = DistributedOptimizer(torch.optim.SGD, [w], lr=1.0)
+        ...     with metadist.autograd.context() as cid:
+        ...         metadist.autograd.backward(cid, [w.to_here().sum()])
+        ...         total = clip_grad_norm_(opt, cid, max_norm=1.0)  # norm before clipping
+        ...         opt.step(cid)
+        ...     return total, w.to_here().detach()
+        >>> main()
+        (tensor(1.7321), tensor([0.4227, 0.4227, 0.4227]))
     """
     if not isinstance(optimizer, DistributedOptimizer):
         raise TypeError(

@@ -115,6 +115,13 @@ class FunctionalSGD:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> p, q = torch.ones(2), torch.ones(2)
+            >>> FunctionalSGD([p, q]).step([torch.ones(2), None])
+            >>> q  # no gradient: left as it was
+            tensor([1., 1.])
         """
         if len(self.params) != len(gradients):
             raise ValueError(
@@ -237,6 +244,13 @@ class FunctionalAdam:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> p, q = torch.ones(2), torch.ones(2)
+            >>> FunctionalAdam([p, q]).step([torch.ones(2), None])
+            >>> q  # no gradient: left as it was
+            tensor([1., 1.])
         """
         if len(self.params) != len(gradients):
             raise ValueError(
@@ -370,6 +384,13 @@ class FunctionalAdamW:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> p, q = torch.ones(2), torch.ones(2)
+            >>> FunctionalAdamW([p, q]).step([torch.ones(2), None])
+            >>> q  # no gradient: left as it was
+            tensor([1., 1.])
         """
         if len(self.params) != len(gradients):
             raise ValueError(
@@ -514,6 +535,13 @@ class FunctionalAdagrad:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> p, q = torch.ones(2), torch.ones(2)
+            >>> FunctionalAdagrad([p, q]).step([torch.ones(2), None])
+            >>> q  # no gradient: left as it was
+            tensor([1., 1.])
         """
         if len(self.params) != len(gradients):
             raise ValueError(
@@ -626,6 +654,13 @@ class FunctionalRMSprop:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> p, q = torch.ones(2), torch.ones(2)
+            >>> FunctionalRMSprop([p, q]).step([torch.ones(2), None])
+            >>> q  # no gradient: left as it was
+            tensor([1., 1.])
         """
         if len(self.params) != len(gradients):
             raise ValueError(
@@ -751,6 +786,13 @@ class FunctionalAdamax:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> p, q = torch.ones(2), torch.ones(2)
+            >>> FunctionalAdamax([p, q]).step([torch.ones(2), None])
+            >>> q  # no gradient: left as it was
+            tensor([1., 1.])
         """
         if len(self.params) != len(gradients):
             raise ValueError(
@@ -855,6 +897,13 @@ class FunctionalAdadelta:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> p, q = torch.ones(2), torch.ones(2)
+            >>> FunctionalAdadelta([p, q]).step([torch.ones(2), None])
+            >>> q  # no gradient: left as it was
+            tensor([1., 1.])
         """
         if len(self.params) != len(gradients):
             raise ValueError(
@@ -959,6 +1008,13 @@ class FunctionalRprop:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> p, q = torch.ones(2), torch.ones(2)
+            >>> FunctionalRprop([p, q]).step([torch.ones(2), None])
+            >>> q  # no gradient: left as it was
+            tensor([1., 1.])
         """
         if len(self.params) != len(gradients):
             raise ValueError(
@@ -1069,6 +1125,13 @@ class FunctionalQHM:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> p, q = torch.ones(2), torch.ones(2)
+            >>> FunctionalQHM([p, q], lr=0.1, momentum=0.9, nu=0.7).step([torch.ones(2), None])
+            >>> q  # no gradient: left as it was
+            tensor([1., 1.])
         """
         if len(self.params) != len(gradients):
             raise ValueError(

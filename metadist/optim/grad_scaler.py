@@ -41,14 +41,26 @@ class DistributedGradScaler:
             ``backoff_factor`` outside ``(0, 1)`` or ``growth_interval < 1``.
 
     Example:
-        >>> # doctest: +SKIP
-        >>> scaler = DistributedGradScaler(init_scale=2.0**10)
-        >>> with dist_autograd.context() as cid:
-        ...     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ...         loss = model(x).float().pow(2).mean()
-        ...     dist_autograd.backward(cid, [scaler.scale(loss)])
-        ...     scaler.step(opt, cid)
-        ...     scaler.update()
+        >>> import torch
+        >>> import torch.distributed.rpc as rpc
+        >>> import metadist
+        >>> from metadist.optim import DistributedGradScaler, DistributedOptimizer
+        >>> @metadist.auto_init_rpc()
+        ... def main():
+        ...     w = rpc.RRef(torch.ones(3, requires_grad=True))
+        ...     opt = DistributedOptimizer(torch.optim.SGD, [w], lr=0.5)
+        ...     scaler = DistributedGradScaler(init_scale=2.0**10)
+        ...     with metadist.autograd.context() as cid:
+        ...         loss = w.to_here().sum()  # e.g. computed under torch.autocast
+        ...         metadist.autograd.backward(cid, [scaler.scale(loss)])
+        ...         stepped = scaler.step(opt, cid)  # unscales; skips on inf/NaN
+        ...         scaler.update()
+        ...     return stepped, w.to_here().detach()
+        >>> main()
+        (True, tensor([0.5000, 0.5000, 0.5000]))
+
+        The method examples below assume such ``scaler``, ``opt`` and ``cid`` inside a running
+        world, so they are not run as doctests.
     """
 
     def __init__(
@@ -79,6 +91,9 @@ class DistributedGradScaler:
     def is_enabled(self) -> bool:
         """Return whether scaling is on.
 
+        Returns:
+            The ``enabled`` flag given at construction.
+
         Example:
             >>> DistributedGradScaler(enabled=False).is_enabled()
             False
@@ -87,6 +102,9 @@ class DistributedGradScaler:
 
     def get_scale(self) -> float:
         """Return the current scale factor (``1.0`` when disabled).
+
+        Returns:
+            The scale factor.
 
         Example:
             >>> DistributedGradScaler(init_scale=8.0).get_scale()
@@ -137,8 +155,9 @@ class DistributedGradScaler:
             RuntimeError: If called twice for the same step.
 
         Example:
-            >>> # doctest: +SKIP
-            >>> scaler.unscale_(opt, cid); clip_grad_norm_(opt, cid, 1.0); scaler.step(opt, cid)
+            >>> found_inf = scaler.unscale_(opt, cid)  # doctest: +SKIP
+            >>> clip_grad_norm_(opt, cid, max_norm=1.0)  # doctest: +SKIP
+            >>> scaler.step(opt, cid)  # doctest: +SKIP
         """
         _check_optimizer(optimizer)
         key = (id(optimizer), context_id)
@@ -172,8 +191,7 @@ class DistributedGradScaler:
             TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
 
         Example:
-            >>> # doctest: +SKIP
-            >>> stepped = scaler.step(opt, cid)
+            >>> stepped = scaler.step(opt, cid)  # doctest: +SKIP
         """
         _check_optimizer(optimizer)
         key = (id(optimizer), context_id)
@@ -229,6 +247,10 @@ class DistributedGradScaler:
 
     def state_dict(self) -> dict[str, Any]:
         """Return the scaler's state (``torch.amp.GradScaler`` keys).
+
+        Returns:
+            ``{"scale", "growth_factor", "backoff_factor", "growth_interval",
+            "_growth_tracker"}`` values.
 
         Example:
             >>> DistributedGradScaler(init_scale=2.0).state_dict()["scale"]

@@ -126,8 +126,8 @@ class QHM(torch.optim.Optimizer):
         >>> opt = QHM([w], lr=0.1, momentum=0.9, nu=0.7)
         >>> w.sum().backward()
         >>> opt.step()
-        >>> w.detach()
-        tensor([0.9000, 0.9000, 0.9000])
+        >>> w.detach()  # 1 - 0.1 * (0.7 * 0.1 + 0.3 * 1): the buffer starts at zero
+        tensor([0.9630, 0.9630, 0.9630])
     """
 
     def __init__(
@@ -163,6 +163,9 @@ class QHM(torch.optim.Optimizer):
 
         Returns:
             The closure's loss, or ``None``.
+
+        Raises:
+            RuntimeError: A parameter has a sparse gradient.
 
         Example:
             >>> import torch

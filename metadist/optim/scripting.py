@@ -45,27 +45,81 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
 
     @torch.jit.export
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Step the held optimizer; ``None`` skips a parameter."""
+        """Step the held optimizer; ``None`` skips a parameter.
+
+        Args:
+            gradients: One gradient (or ``None``) per parameter, in parameter order.
+
+        Example:
+            >>> import torch
+            >>> from metadist.optim import FunctionalSGD
+            >>> p = torch.ones(2)
+            >>> opt = ScriptedFunctionalOptimizer(FunctionalSGD([p], lr=1.0))
+            >>> opt.step([None])  # skipped
+            >>> p
+            tensor([1., 1.])
+        """
         self.optim.step(gradients)
 
     @torch.jit.export
     def get_state(self) -> dict[Tensor, dict[str, Tensor]]:
-        """Return the held optimizer's state (the live tensors)."""
+        """Return the held optimizer's state (the live tensors).
+
+        Returns:
+            ``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it.
+
+        Example:
+            >>> import torch
+            >>> from metadist.optim import FunctionalSGD
+            >>> ScriptedFunctionalOptimizer(FunctionalSGD([torch.ones(1)], lr=1.0)).get_state()
+            {}
+        """
         return self.optim.state
 
     @torch.jit.export
     def set_state(self, state: dict[Tensor, dict[str, Tensor]]) -> None:
-        """Replace the held optimizer's state."""
+        """Replace the held optimizer's state.
+
+        Args:
+            state: ``{parameter: {name: tensor}}``, e.g. from :meth:`get_state`.
+
+        Example:
+            >>> import torch
+            >>> from metadist.optim import FunctionalSGD
+            >>> opt = ScriptedFunctionalOptimizer(FunctionalSGD([torch.ones(1)], lr=1.0))
+            >>> opt.set_state({})
+        """
         self.optim.state = state
 
     @torch.jit.export
     def get_defaults(self) -> dict[str, float]:
-        """Return the held optimizer's hyperparameters."""
+        """Return the held optimizer's hyperparameters.
+
+        Returns:
+            ``{name: value}`` of the float hyperparameters.
+
+        Example:
+            >>> import torch
+            >>> from metadist.optim import FunctionalSGD
+            >>> opt = ScriptedFunctionalOptimizer(FunctionalSGD([torch.ones(1)], lr=0.5))
+            >>> opt.get_defaults()["lr"]
+            0.5
+        """
         return self.optim.defaults
 
     @torch.jit.export
     def set_defaults(self, defaults: dict[str, float]) -> None:
-        """Replace the held optimizer's hyperparameters."""
+        """Replace the held optimizer's hyperparameters.
+
+        Args:
+            defaults: ``{name: value}``; e.g. a new ``lr`` from a scheduler.
+
+        Example:
+            >>> import torch
+            >>> from metadist.optim import FunctionalSGD
+            >>> opt = ScriptedFunctionalOptimizer(FunctionalSGD([torch.ones(1)], lr=0.5))
+            >>> opt.set_defaults({**opt.get_defaults(), "lr": 0.1})
+        """
         self.optim.defaults = defaults
 
 
