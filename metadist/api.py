@@ -311,8 +311,7 @@ def _rpc_error(
     text = str(error)
     if "timed out" in text.lower() or "timeout" in text.lower():
         if timeout == rpc.constants.UNSET_RPC_TIMEOUT:
-            runtime = world._RUNTIME
-            timeout = runtime.default_timeout if runtime is not None else timeout
+            timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
         return TimeoutError(
             f"partition {index} of {count} on worker {worker!r} did not finish within the "
             f"timeout of {timeout} s: {text}"
@@ -460,7 +459,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     parts, sizes = _partitions(partitioner, tuple(args), kwargs, names)
 
     # Encode every partition before sending anything, so that bad input fails with no RPC sent.
-    world_token = world._RUNTIME
+    world_token = world.world_token()
     memo = transport.CallMemo()
     encoded = [
         transport.encode(p_args, p_kwargs, world=world_token, worker=name, dtype=dtype, memo=memo)

@@ -35,6 +35,7 @@ __all__ = [
     "rank_non_zero_only",
     "rank_zero_only",
     "require_rpc",
+    "world_token",
 ]
 
 P = ParamSpec("P")
@@ -242,6 +243,25 @@ def _has_arrived(rank: int) -> bool:
     with _PENDING_LOCK:
         entry = _PENDING.get(("<done>",))
         return entry is not None and rank in entry[1]
+
+
+def world_token() -> object:
+    """An object that identifies the running world; a restarted world gets a new one.
+
+    Caches whose entries must not outlive a world (e.g. which module structures a worker holds)
+    key on it.
+
+    Returns:
+        The token.
+
+    Raises:
+        RuntimeError: RPC is not running.
+
+    Example:
+        >>> world_token()  # doctest: +SKIP
+        <metadist.world._Runtime object at 0x...>
+    """
+    return _runtime("metadist.world.world_token")
 
 
 def require_rpc(api_name: str) -> None:

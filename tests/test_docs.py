@@ -98,16 +98,21 @@ def test_block_is_runnable_or_says_why_not(block: Block) -> None:
     )
 
 
-# Packages a doc block may require (metadist does not depend on them): name -> where
-# benchmarks install them when they are not in the environment.
-OPTIONAL_PACKAGES = {"torchopt": REPO / ".bench-deps" / "torchopt"}
+# Packages a doc block may require (metadist does not depend on them): name -> (where benchmarks
+# install them when they are not in the environment, how to install them there).
+OPTIONAL_PACKAGES = {
+    "torchopt": (
+        REPO / ".bench-deps" / "torchopt",
+        "pip install --target .bench-deps/torchopt torchopt==0.7.3 optree graphviz --no-deps",
+    )
+}
 
 
 def _optional_package_path(name: str) -> str | None:
     """A PYTHONPATH entry that makes ``name`` importable ("" if it already is), else None."""
     if importlib.util.find_spec(name) is not None:
         return ""
-    target = OPTIONAL_PACKAGES[name]
+    target = OPTIONAL_PACKAGES[name][0]
     return str(target) if (target / name / "__init__.py").is_file() else None
 
 
@@ -121,9 +126,8 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
         extra = _optional_package_path(block.arg)
         if extra is None:
             pytest.skip(
-                f"{block.id} needs {block.arg}, which metadist does not depend on: "
-                f"pip install --target {OPTIONAL_PACKAGES[block.arg].relative_to(REPO)} "
-                f"{block.arg}==0.7.3 optree graphviz --no-deps"
+                f"{block.id} needs {block.arg}, which metadist does not depend on; to run it: "
+                f"{OPTIONAL_PACKAGES[block.arg][1]}"
             )
         if extra:
             env["PYTHONPATH"] = f"{REPO}{os.pathsep}{extra}"
