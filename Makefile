@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: install test soak lint format docs maml bench clean
+.PHONY: install test soak lint format docs maml bench bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,12 @@ docs:
 maml:
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/maml/sinusoid.py
 
-bench:
+# torchopt 0.7.3, for the comparisons in benchmarks/ and docs/migrating.md only: it lives in its
+# own folder, never in the project environment.
+bench-deps:
+	$(PY) -m pip install -q --target .bench-deps/torchopt "torchopt==0.7.3" optree graphviz --no-deps
+
+bench: bench-deps
 	$(PY) benchmarks/bench_remote.py
 	$(PY) benchmarks/bench_optim.py
 	$(PY) benchmarks/bench_maml.py
