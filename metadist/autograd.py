@@ -125,6 +125,36 @@ def _leaves(tensors: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[t
     return leaves
 
 
+def check_context(context_id: int, api: str) -> None:
+    """Raise ``ValueError`` unless ``context_id`` is a live distributed-autograd context here.
+
+    Torch's own error for an unknown id is a bare ``RuntimeError`` raised deep inside the call;
+    metadist checks first, so that the message names the argument and nothing is sent.
+
+    Args:
+        context_id: The id to check.
+        api: The public name the user called, for the message.
+
+    Raises:
+        ValueError: ``context_id`` is not an int, or no such context exists in this process.
+
+    Example:
+        >>> check_context(987654321, "metadist.autograd.backward")  # doctest: +SKIP
+        Traceback (most recent call last):
+        ValueError: metadist.autograd.backward: context_id 987654321 is not a live ...
+    """
+    if isinstance(context_id, bool) or not isinstance(context_id, int):
+        raise ValueError(f"{api}: context_id must be an int, got {context_id!r}")
+    try:
+        _dist_get_gradients(context_id)
+    except RuntimeError:
+        raise ValueError(
+            f"{api}: context_id {context_id} is not a live distributed-autograd context of this "
+            f"process; use the id from `with metadist.autograd.context() as context_id:` "
+            f"(or torch.distributed.autograd.context()) while that block is open"
+        ) from None
+
+
 def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> None:
     pending = {id(node): node for node in transport._received(context_id)}
     if not pending:
@@ -189,7 +219,7 @@ def backward(
     Raises:
         RuntimeError: RPC is not running; a root does not require grad; a remote result of this
             context is unreachable from the roots (the pass would hang).
-        ValueError: A non-scalar root or a non-leaf input.
+        ValueError: An unknown ``context_id``, a non-scalar root or a non-leaf input.
 
     Example:
         >>> import torch
@@ -205,6 +235,7 @@ def backward(
         tensor([3., 3.])
     """
     require_rpc("metadist.autograd.backward")
+    check_context(context_id, "metadist.autograd.backward")
     roots = _roots(tensors, "tensors")
     targets = None if inputs is None else _leaves(inputs, "inputs")
     _check_reachable(context_id, roots)
@@ -248,7 +279,7 @@ def grad(
     Raises:
         RuntimeError: An input was not reached and ``allow_unused`` is false, or see
             :func:`backward`.
-        ValueError: A non-scalar output or a non-leaf input.
+        ValueError: An unknown ``context_id``, a non-scalar output or a non-leaf input.
 
     Example:
         >>> import torch
@@ -266,6 +297,7 @@ def grad(
         (tensor([3., 3.]), tensor([3., 3.]))
     """
     require_rpc("metadist.autograd.grad")
+    check_context(context_id, "metadist.autograd.grad")
     roots = _roots(outputs, "outputs")
     targets = _leaves(inputs, "inputs")
     _check_reachable(context_id, roots)
@@ -300,7 +332,8 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
         A new dict of cloned gradients.
 
     Raises:
-        RuntimeError: RPC is not running or the context does not exist.
+        RuntimeError: RPC is not running.
+        ValueError: ``context_id`` is not a live context of this process.
 
     Example:
         >>> import metadist
@@ -312,4 +345,5 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
         {}
     """
     require_rpc("metadist.autograd.get_gradients")
+    check_context(context_id, "metadist.autograd.get_gradients")
     return {t: g.clone() for t, g in _dist_get_gradients(context_id).items()}

@@ -16,11 +16,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
+from metadist.autograd import check_context
 from metadist.optim import _local
 from metadist.optim.registry import get_functional_optimizer
 from metadist.world import get_worker_name, get_worker_names, require_rpc
@@ -314,7 +314,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ...     dist_autograd.backward(cid, [loss])
             ...     opt.step(cid)
         """
-        _check_context(context_id)
+        check_context(context_id, "DistributedOptimizer")
         self._acquire_caller()
         try:
             self._passes += 1
@@ -342,7 +342,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Example:
             >>> opt.skip(cid)  # no owner updates; the window restarts  # doctest: +SKIP
         """
-        _check_context(context_id)
+        check_context(context_id, "DistributedOptimizer")
         self._acquire_caller()
         try:
             self._passes = 0
@@ -508,7 +508,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self, context_id: int, inv_scale: float | None, norm_type: float | None
     ) -> list[tuple[bool, Tensor | None]]:
         """Stage the gradients the next ``step(context_id)`` will use; return per-owner results."""
-        _check_context(context_id)
+        check_context(context_id, "DistributedOptimizer")
         apply = self.next_step_applies
         futures = {
             o: rpc.rpc_async(
@@ -595,18 +595,6 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     optimizer._coef[context_id] = previous * float(coef)
     return total
-
-
-def _check_context(context_id: int) -> None:
-    if isinstance(context_id, bool) or not isinstance(context_id, int):
-        raise ValueError(f"context_id must be an int, got {context_id!r}")
-    try:
-        dist_autograd.get_gradients(context_id)  # type: ignore[attr-defined]
-    except RuntimeError:
-        raise ValueError(
-            f"context_id {context_id} is not a live distributed-autograd context of this "
-            "process; call step inside `with torch.distributed.autograd.context() as cid:`"
-        ) from None
 
 
 def _resolve_modes(mode: str | Mapping[str | int, str], owners: set[str]) -> dict[str, str]:
