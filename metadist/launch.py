@@ -168,7 +168,9 @@ def _plan(info: WorldInfo, timeout: float) -> tuple[network.Binding, str]:
         return binding, f"{network.LOCAL_SCHEME}://"
     master_addr = _env_required("MASTER_ADDR")
     master_port = _env_required("MASTER_PORT")
-    binding = network.choose_binding(master_addr)
+    binding = network.choose_binding(
+        master_addr, multi_node=info.local_world_size < info.world_size
+    )
     if binding.loopback and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # torch's rendezvous adds rank and world_size to the query itself.
         return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"

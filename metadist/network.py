@@ -105,15 +105,32 @@ def _route_source(address: str) -> str:
         return str(sock.getsockname()[0])
 
 
-def choose_binding(master_addr: str) -> Binding:
+def _default_route_interface() -> str | None:
+    """The interface of the IPv4 default route (``/proc/net/route``), if there is one."""
+    try:
+        with open("/proc/net/route") as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+    except OSError:
+        return None
+    for row in rows:
+        if len(row) > 7 and row[1] == "00000000" and row[7] == "00000000":
+            return row[0]
+    return None
+
+
+def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
     """Pick the interface to listen on for a job whose master is ``master_addr``.
 
     Args:
         master_addr: Host name or address of rank 0 (``MASTER_ADDR``).
+        multi_node: Whether the job spans several nodes (``LOCAL_WORLD_SIZE < WORLD_SIZE``).
+            On the master node of such a job, ``MASTER_ADDR`` is often its own host name,
+            which resolves to a loopback address (``127.0.1.1`` on Debian); listening there
+            would lock the other nodes out, so the default route's interface is used instead.
 
     Returns:
-        The binding: loopback when the master is a loopback address, else the interface that
-        routes to the master.
+        The binding: loopback when the master is a loopback address of a single-node job,
+        else the interface that routes to the master.
 
     Raises:
         ValueError: The address does not resolve, or no interface holds the route's address.
@@ -124,6 +141,17 @@ def choose_binding(master_addr: str) -> Binding:
     """
     resolved = _resolve(master_addr)
     loopback = ipaddress.ip_address(resolved).is_loopback
+    if loopback and multi_node:
+        ifname = _default_route_interface()
+        address = _ipv4_of(ifname) if ifname is not None else None
+        if ifname is None or address is None:
+            raise ValueError(
+                f"MASTER_ADDR={master_addr!r} resolves to the loopback address {resolved} on "
+                f"this node, but the job spans several nodes and this node has no default "
+                f"route to listen on instead; set MASTER_ADDR to an address the other nodes "
+                f"can reach, or set TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME"
+            )
+        return Binding(ifname=ifname, address=address, loopback=False)
     source = "127.0.0.1" if loopback else _route_source(resolved)
     ifname = _interface_with_address(source)
     if ifname is None:

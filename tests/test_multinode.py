@@ -1,7 +1,8 @@
 """Two "nodes" in two network namespaces joined by a veth pair: RPC picks the right interface.
 
-The addresses are from TEST-NET-1 (192.0.2.0/24, reserved for documentation) and exist only
-inside the namespaces this test creates; no traffic leaves them.
+The addresses are from TEST-NET-2 (198.51.100.0/24, reserved for documentation) and exist only
+inside the namespaces this test creates; no traffic leaves them. ``ip netns exec`` mounts
+``/etc/netns/<name>/hosts`` over ``/etc/hosts``, which gives each "node" its own host names.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from _dist import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "multinode_worker.py"
-MASTER, PEER = "192.0.2.1", "192.0.2.2"
+MASTER, PEER = "198.51.100.1", "198.51.100.2"
+MASTER_NAME = "mdmaster"
 
 
 def _ip(*args: str) -> None:
@@ -43,24 +46,36 @@ def two_hosts() -> Iterator[tuple[str, str]]:
             _ip("-n", host, "addr", "add", f"{address}/24", "dev", link)
             _ip("-n", host, "link", "set", link, "up")
             _ip("-n", host, "link", "set", "lo", "up")
+            _ip("-n", host, "route", "add", "default", "dev", link)
+        # As on Debian, the master's own host name resolves to 127.0.1.1 on the master.
+        for host, master in zip(hosts, ("127.0.1.1", MASTER), strict=True):
+            etc = Path("/etc/netns") / host
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{master} {MASTER_NAME}\n")
         yield hosts
     finally:
         for host in hosts:
             subprocess.run(
                 ["ip", "netns", "del", host], check=False, capture_output=True, timeout=10
             )
+            shutil.rmtree(Path("/etc/netns") / host, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "master_addr",
+    [MASTER, MASTER_NAME],
+    ids=["address", "hostname-that-is-loopback-on-the-master"],
+)
 def test_rpc_round_trip_across_namespaces_picks_routing_interface(
-    two_hosts: tuple[str, str],
+    two_hosts: tuple[str, str], master_addr: str
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     env.update(
         WORLD_SIZE="2",
         LOCAL_WORLD_SIZE="1",
         LOCAL_RANK="0",
-        MASTER_ADDR=MASTER,
+        MASTER_ADDR=master_addr,
         MASTER_PORT="29511",
         PYTHONPATH=str(REPO / "tests"),
         PYTHONUNBUFFERED="1",
