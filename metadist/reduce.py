@@ -195,18 +195,7 @@ def cat_reducer(results: Sequence[Any], dim: int = 0) -> Any:
         torch.Size([3, 3])
     """
 
-    def combine(values: list[Any], where: Callable[[], str]) -> Any:
-        if not all(isinstance(v, torch.Tensor) for v in values):
-            return list(values)
-        try:
-            return torch.cat(values, dim)
-        except (RuntimeError, IndexError) as error:
-            shapes = [tuple(v.shape) for v in values]
-            raise ValueError(
-                f"cat_reducer: cannot concatenate {where()} along dim {dim}: shapes {shapes}"
-            ) from error
-
-    return _leafwise(results, "cat_reducer", combine)
+    return _join(results, "cat_reducer", "concatenate", torch.cat, dim)
 
 
 def stack_reducer(results: Sequence[Any], dim: int = 0) -> Any:
@@ -230,15 +219,27 @@ def stack_reducer(results: Sequence[Any], dim: int = 0) -> Any:
         torch.Size([2, 3])
     """
 
+    return _join(results, "stack_reducer", "stack", torch.stack, dim)
+
+
+def _join(
+    results: Sequence[Any],
+    name: str,
+    verb: str,
+    op: Callable[[list[torch.Tensor], int], torch.Tensor],
+    dim: int,
+) -> Any:
+    """Join tensor leaves across partitions with ``op``; collect other leaves into lists."""
+
     def combine(values: list[Any], where: Callable[[], str]) -> Any:
         if not all(isinstance(v, torch.Tensor) for v in values):
             return list(values)
         try:
-            return torch.stack(values, dim)
+            return op(values, dim)
         except (RuntimeError, IndexError) as error:
             shapes = [tuple(v.shape) for v in values]
             raise ValueError(
-                f"stack_reducer: cannot stack {where()} along dim {dim}: shapes {shapes}"
+                f"{name}: cannot {verb} {where()} along dim {dim}: shapes {shapes}"
             ) from error
 
-    return _leafwise(results, "stack_reducer", combine)
+    return _leafwise(results, name, combine)
