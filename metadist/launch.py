@@ -53,9 +53,11 @@ def auto_init_rpc(
     until every worker is done. Every rank runs the function; use :func:`metadist.rank_zero_only`
     for the driver's part. Errors are recorded for torchelastic so that ``torchrun`` reports them.
 
-    Single-node jobs (loopback ``MASTER_ADDR``, or no torchrun) listen on loopback only. For a
-    remote ``MASTER_ADDR`` RPC listens on the interface that routes to it, unless
-    ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` are set (user-set values always win).
+    Single-node jobs listen on loopback only: no torchrun, a loopback ``MASTER_ADDR``, or
+    ``LOCAL_WORLD_SIZE == WORLD_SIZE`` (as torchrun sets it on one node), whatever
+    ``MASTER_ADDR`` resolves to. Otherwise RPC listens on the interface that routes to
+    ``MASTER_ADDR``, unless ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` are set (user-set
+    values always win).
 
     Args:
         worker_init_fn: Called on every worker after RPC starts and before the function (seed,
@@ -168,9 +170,15 @@ def _plan(info: WorldInfo, timeout: float) -> tuple[network.Binding, str]:
         return binding, f"{network.LOCAL_SCHEME}://"
     master_addr = _env_required("MASTER_ADDR")
     master_port = _env_required("MASTER_PORT")
-    binding = network.choose_binding(
-        master_addr, multi_node=info.local_world_size < info.world_size
-    )
+    if "LOCAL_WORLD_SIZE" in os.environ and info.local_world_size == info.world_size:
+        # Every worker is on this node (torchrun sets LOCAL_WORLD_SIZE), so loopback reaches
+        # them all, whatever MASTER_ADDR is: `--standalone` sets it to the host's FQDN, which
+        # often resolves to a LAN address, and RPC must not listen there.
+        binding = network.choose_binding("127.0.0.1")
+    else:
+        binding = network.choose_binding(
+            master_addr, multi_node=info.local_world_size < info.world_size
+        )
     if binding.loopback and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # torch's rendezvous adds rank and world_size to the query itself.
         return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"

@@ -27,6 +27,15 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
 
 
+def _setup(*args: str) -> None:
+    """One step of building the namespaces; a machine that forbids it skips the test."""
+    try:
+        _ip(*args)
+    except (subprocess.CalledProcessError, OSError) as error:
+        why = getattr(error, "stderr", None) or error
+        pytest.skip(f"cannot build network namespaces here: `ip {' '.join(args)}`: {why}")
+
+
 @pytest.fixture
 def two_hosts() -> Iterator[tuple[str, str]]:
     if shutil.which("ip") is None:
@@ -34,24 +43,27 @@ def two_hosts() -> Iterator[tuple[str, str]]:
     tag = uuid.uuid4().hex[:6]
     hosts = (f"md{tag}a", f"md{tag}b")
     links = (f"md{tag}x", f"md{tag}y")
+    # pytest.skip inside the try still runs the cleanup in finally.
     try:
-        _ip("netns", "add", hosts[0])
-    except (subprocess.CalledProcessError, OSError) as error:
-        pytest.skip(f"cannot create network namespaces here (needs root/CAP_NET_ADMIN): {error}")
-    try:
-        _ip("netns", "add", hosts[1])
-        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for host in hosts:
+            _setup("netns", "add", host)
+        _setup("link", "add", links[0], "type", "veth", "peer", "name", links[1])
         for host, link, address in zip(hosts, links, (MASTER, PEER), strict=True):
-            _ip("link", "set", link, "netns", host)
-            _ip("-n", host, "addr", "add", f"{address}/24", "dev", link)
-            _ip("-n", host, "link", "set", link, "up")
-            _ip("-n", host, "link", "set", "lo", "up")
-            _ip("-n", host, "route", "add", "default", "dev", link)
+            _setup("link", "set", link, "netns", host)
+            _setup("-n", host, "addr", "add", f"{address}/24", "dev", link)
+            _setup("-n", host, "link", "set", link, "up")
+            _setup("-n", host, "link", "set", "lo", "up")
+            _setup("-n", host, "route", "add", "default", "dev", link)
         # As on Debian, the master's own host name resolves to 127.0.1.1 on the master.
         for host, master in zip(hosts, ("127.0.1.1", MASTER), strict=True):
             etc = Path("/etc/netns") / host
-            etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{master} {MASTER_NAME}\n")
+            try:
+                etc.mkdir(parents=True, exist_ok=True)
+                (etc / "hosts").write_text(f"127.0.0.1 localhost\n{master} {MASTER_NAME}\n")
+            except OSError as error:
+                pytest.skip(f"cannot give the namespaces their own /etc/hosts: {error}")
+        # `ip netns exec` mounts sysfs and the hosts file: rootless runners may refuse.
+        _setup("netns", "exec", hosts[0], "true")
         yield hosts
     finally:
         for host in hosts:

@@ -64,6 +64,7 @@ def test_exclusive_gives_one_item_per_partition_round_robin(
         assert torch.equal(torch.stack(pieces, dim), tensor)
 
 
+@settings(deadline=None)
 @given(st.integers(1, 200), st.integers(1, 20))
 def test_split_sizes(n: int, k: int):
     sizes = split_sizes(n, k)

@@ -158,7 +158,13 @@ def _world(rank: int, world_size: int) -> None:
     )
     assert all(g < MAX_RSS_GROWTH for g in growth), (before, after)
     assert not transport._RECEIVED, transport._RECEIVED  # per-context bookkeeping released
-    counts = [remote_sync_call(_leak_counts, partitioner=w)[0] for w in range(3)]
+    # Releasing a context on the workers is a fire-and-forget message: allow it to arrive.
+    deadline = time.monotonic() + 5.0
+    while True:
+        counts = [remote_sync_call(_leak_counts, partitioner=w)[0] for w in range(3)]
+        if all(not any(c.values()) for c in counts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert all(not any(c.values()) for c in counts), counts
 
 

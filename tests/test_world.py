@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 
 import pytest
 import torch.distributed.rpc as rpc
-from _dist import REPO, non_loopback_listeners, run_torchrun, run_world
+from _dist import REPO, non_loopback_listeners, run_command, run_torchrun, run_world
 
 import metadist
+from metadist import network
 from metadist.world import default_worker_name_format
 
 TORCHRUN_ENV = (
@@ -263,9 +265,11 @@ def _worker_state() -> tuple[bool, metadist.WorldInfo, str, set[tuple[str, int]]
     return _INIT_CALLED, info, metadist.get_worker_name(), non_loopback_listeners()
 
 
-def _slow_barrier(delay: float) -> float:
-    time.sleep(delay)
-    return time.monotonic()
+_ENTERED_BARRIER = 0.0
+
+
+def _entered_barrier() -> float:
+    return _ENTERED_BARRIER
 
 
 def run_world_checks(rank: int, world_size: int) -> None:
@@ -293,12 +297,15 @@ def run_world_checks(rank: int, world_size: int) -> None:
     assert not1() == (None if rank == 1 else rank)
     assert metadist.rank_zero_only(lambda: "r0")() == ("r0" if rank == 0 else None)
 
-    # Full barrier: everyone leaves after the slowest arrives.
+    # Full barrier: everyone leaves after the slowest arrives. CLOCK_MONOTONIC is system-wide on
+    # Linux, so rank 0 can compare its leaving time with the moment rank 2 (the last) arrived.
+    global _ENTERED_BARRIER
     time.sleep(0.3 * rank)
-    start = time.monotonic()
+    _ENTERED_BARRIER = time.monotonic()
     metadist.barrier()
+    left = time.monotonic()
     if rank == 0:
-        assert time.monotonic() - start >= 0.45  # waited for rank 2's 0.6 s
+        assert left >= rpc.rpc_sync(names[2], _entered_barrier) > 0
     # Subset barrier between ranks 0 and 2; rank 1 is not involved.
     if rank in (0, 2):
         metadist.barrier([names[0], 2])
@@ -353,3 +360,30 @@ def test_readme_quickstart_under_torchrun(tmp_path: os.PathLike[str]) -> None:
     lines = [line for line in result.stdout.splitlines() if line.startswith("mean loss")]
     assert len(lines) == 1, result.stdout  # printed by rank 0 only
     assert "Warning" not in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_single_node_torchrun_listens_on_loopback_whatever_master_addr_is() -> None:
+    # torchrun --standalone sets MASTER_ADDR to the host's FQDN, which on many machines resolves
+    # to a LAN address; a single-node job must still keep RPC off the network.
+    ifname = network._default_route_interface()
+    lan = network._ipv4_of(ifname) if ifname is not None else None
+    if lan is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to use as MASTER_ADDR")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        f"--master_addr={lan}",
+        f"--master_port={network.free_loopback_port()}",
+        str(REPO / "tests" / "scripts" / "multinode_worker.py"),
+    ]
+    result = run_command(command, timeout=100, env={"PYTHONPATH": str(REPO / "tests")})
+    assert result.returncode == 0, result.stderr
+    assert "ROUNDTRIP OK peer=worker1" in result.stdout, result.stdout
+    peer = result.stdout.split("peer_listens=")[1].splitlines()[0]
+    mine = result.stdout.split("SELF listens=")[1].splitlines()[0]
+    assert peer == mine == "['127.0.0.1']", result.stdout
+    assert "listens for RPC on interface" not in result.stderr, result.stderr
