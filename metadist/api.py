@@ -372,11 +372,12 @@ class _Call:
         errors: list[BaseException] = []
         nodes: list[Any] = []
         count = len(self.futures)
+        world._wait_done(self.futures)
         for index, future in enumerate(self.futures):
             worker = self.workers[index]
             try:
                 value = future.wait()
-            except BaseException as error:
+            except Exception as error:
                 errors.append(_rpc_error(error, index, count, worker, self.timeout))
                 continue
             if isinstance(value, _RemoteFailure):

@@ -74,6 +74,8 @@ def auto_init_rpc(
         shutdown_timeout: Seconds that calls still in flight may run once every worker has
             finished the function (torch's graceful shutdown would wait for them forever).
             Past it, shutdown raises ``RuntimeError`` on every worker instead of hanging.
+            Ctrl-C (``KeyboardInterrupt``, which torchrun forwards to every worker) does not
+            wait: RPC is torn down locally and the interrupt propagates.
 
     Returns:
         A decorator for the entry function.
@@ -122,6 +124,7 @@ def auto_init_rpc(
 
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
+ABORT_GRACE = 2.0  # seconds a Ctrl-C'd worker gives its local RPC teardown
 
 
 def _limit_malloc_arenas() -> None:
@@ -237,22 +240,29 @@ def _run_in_world(
             worker_init_fn()
         world.barrier()
         result = job()
+    except KeyboardInterrupt:
+        _abort()
+        raise
     except BaseException:
         _shutdown(name, shutdown_timeout, raise_errors=False)
         raise
-    _shutdown(name, shutdown_timeout, raise_errors=True)
+    try:
+        _shutdown(name, shutdown_timeout, raise_errors=True)
+    except KeyboardInterrupt:  # Ctrl-C while waiting for the other workers to finish
+        _abort()
+        raise
     return result
 
 
-def _graceful_shutdown(grace: float) -> bool:
-    """torch's graceful shutdown, bounded: it waits forever for a call that never returns."""
+def _bounded_shutdown(grace: float, *, graceful: bool) -> bool:
+    """torch's shutdown, bounded: it waits forever for a call that never returns."""
     finished = threading.Event()
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
             with quiet_torch_warnings():
-                rpc.shutdown(graceful=True)
+                rpc.shutdown(graceful=graceful)
         except BaseException as error:  # handed to the caller below
             errors.append(error)
         finally:
@@ -266,6 +276,17 @@ def _graceful_shutdown(grace: float) -> bool:
     return True
 
 
+def _abort() -> None:
+    """Ctrl-C (torchrun forwards SIGINT to every worker): the user wants the job gone now.
+
+    Tear RPC down locally instead of waiting for the other workers or for calls in flight;
+    peers still waiting on this worker see it as dead and stop too.
+    """
+    world._deactivate()
+    with contextlib.suppress(Exception):
+        _bounded_shutdown(ABORT_GRACE, graceful=False)
+
+
 def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
     problem = None
     try:
@@ -275,7 +296,7 @@ def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
             # The graceful all-gather cannot complete without them. Tear down locally.
             with contextlib.suppress(Exception):
                 rpc.shutdown(graceful=False)
-        elif not _graceful_shutdown(grace):
+        elif not _bounded_shutdown(grace, graceful=True):
             others = [rank for rank in range(world.get_world_size()) if rank != world.get_rank()]
             gone = world._unreachable(others, timeout=5.0)
             problem = (

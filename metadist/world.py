@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -196,6 +197,29 @@ def _deactivate() -> None:
 
 def _ping() -> bool:
     return True
+
+
+def _wait_done(futures: Iterable[Future[Any]]) -> None:
+    """Block until every future is done, in a wait that Ctrl-C can interrupt.
+
+    torch's ``Future.wait`` blocks in C++, where the main thread never sees SIGINT, so a job
+    stuck in a remote call would ignore Ctrl-C. ``SimpleQueue.get`` is interruptible, and its
+    ``put`` is a C function that the future can call directly (cheaper than a Python callback).
+    """
+    pending = [future for future in futures if not future.done()]
+    if not pending:
+        return
+    arrivals: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    for future in pending:
+        future.add_done_callback(arrivals.put)
+    for _ in pending:
+        arrivals.get()
+
+
+def _wait(future: Future[R]) -> R:
+    """``future.wait()`` that Ctrl-C can interrupt (see :func:`_wait_done`)."""
+    _wait_done((future,))
+    return future.wait()
 
 
 def _finish(poll: float = 2.0) -> list[str]:
@@ -491,7 +515,7 @@ def _rendezvous(
     future = rpc.rpc_async(
         coordinator, _arrive, args=(key, expected, member, value), timeout=timeout
     )
-    return future.wait()
+    return _wait(future)
 
 
 def barrier(

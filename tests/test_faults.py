@@ -85,6 +85,33 @@ def test_signal_to_torchrun_stops_every_worker_within_10s(
                 os.killpg(torchrun.pid, signal.SIGKILL)
 
 
+@pytest.mark.timeout(60)
+def test_ctrl_c_interrupts_a_remote_call_in_a_world_of_one(tmp_path: Path) -> None:
+    # torch's Future.wait blocks in C++, where Python never sees SIGINT; metadist's waits do not.
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        job = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "hang-self"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            _ready_pids(log, 1)
+            time.sleep(1.0)  # now blocked in the remote call
+            job.send_signal(signal.SIGINT)
+            start = time.monotonic()
+            job.wait(15)
+            elapsed = time.monotonic() - start
+        finally:
+            job.kill()
+    text = log.read_text()
+    assert elapsed <= 10, f"still running {elapsed:.1f}s after Ctrl-C:\n{text}"
+    assert "KeyboardInterrupt" in text, text
+    assert "in collect" in text, text  # interrupted inside the remote call's wait
+
+
 @pytest.mark.timeout(120)
 def test_killed_worker_fails_the_call_naming_it_and_the_job_exits(tmp_path: Path) -> None:
     port = free_loopback_port()

@@ -23,7 +23,7 @@ from torch.futures import Future
 from metadist.autograd import check_context
 from metadist.optim import _local
 from metadist.optim.registry import get_functional_optimizer
-from metadist.world import get_worker_name, get_worker_names, require_rpc
+from metadist.world import _wait_done, get_worker_name, get_worker_names, require_rpc
 
 __all__ = ["DEFAULT_TIMEOUT", "DistributedOptimizer", "clip_grad_norm_"]
 
@@ -661,10 +661,11 @@ def _wait_all(futures: Mapping[str, Future[Any]]) -> dict[str, Any]:
     """Wait for every future (each carries its RPC timeout); raise the first error after all."""
     results: dict[str, Any] = {}
     error: BaseException | None = None
+    _wait_done(futures.values())
     for owner, fut in futures.items():
         try:
             results[owner] = fut.wait()
-        except BaseException as exc:
+        except Exception as exc:
             if error is None:
                 error = RuntimeError(f"optimizer request to {owner} failed: {exc}")
                 error.__cause__ = exc

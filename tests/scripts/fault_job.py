@@ -1,6 +1,7 @@
 """A job that misbehaves on purpose; tests/test_faults.py drives it.
 
-Modes: ``hang`` (rank 0 waits forever on a remote call, for signal tests), ``kill`` (the
+Modes: ``hang`` (rank 0 waits forever on a remote call, for signal tests; ``hang-self`` is
+the same in a world of 1, run without torchrun), ``kill`` (the
 worker serving rank 0's call is SIGKILLed in the middle of it) and ``inflight`` (rank 0 returns
 while a ``timeout=None`` call that never ends is still running).
 """
@@ -23,7 +24,6 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@metadist.auto_init_rpc(shutdown_timeout=3.0)
 def main(mode: str) -> None:
     # One write per line: the workers share torchrun's stdout.
     sys.stdout.write(f"READY rank={metadist.get_rank()} pid={os.getpid()}\n")
@@ -32,6 +32,8 @@ def main(mode: str) -> None:
         return
     if mode == "hang":
         metadist.remote_sync_call(sleep_forever, partitioner=1, timeout=None)
+    elif mode == "hang-self":  # `python fault_job.py hang-self`: a world of 1 calling itself
+        metadist.remote_sync_call(sleep_forever, partitioner=0, timeout=None)
     elif mode == "kill":
         start = time.monotonic()
         try:
@@ -46,4 +48,8 @@ def main(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # The signal tests (hang) keep the default shutdown_timeout, as users do: Ctrl-C must not
+    # wait for it. The others shorten it to keep the tests quick.
+    chosen = sys.argv[1]
+    options = {} if chosen.startswith("hang") else {"shutdown_timeout": 3.0}
+    metadist.auto_init_rpc(**options)(main)(chosen)
