@@ -266,7 +266,11 @@ def _partitions(
     if partitioner is None:
         partitioner = batch_partitioner
     if not callable(partitioner):
-        return [(names[get_worker_id(partitioner)], args, kwargs)], None
+        try:
+            worker_id = get_worker_id(partitioner)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"partitioner={partitioner!r}: {error}") from None
+        return [(names[worker_id], args, kwargs)], None
     raw = partitioner(*args, **kwargs)
     name = getattr(partitioner, "__qualname__", repr(partitioner))
     if not isinstance(raw, (list, tuple)):
@@ -300,8 +304,14 @@ def _partitions(
             )
         parts.append((names[worker_id], tuple(p_args), p_kwargs))
     sizes = getattr(raw, "sizes", None)
-    if sizes is not None and len(sizes) != len(parts):
-        sizes = None
+    if sizes is not None:
+        # Wrong sizes would silently skew a weighted mean: refuse them before sending.
+        try:
+            sizes = PartitionResults([None] * len(parts), sizes).sizes
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"partitioner {name} returned {len(parts)} partitions: {error}"
+            ) from None
     return parts, sizes
 
 

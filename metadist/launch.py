@@ -179,20 +179,28 @@ def _plan(info: WorldInfo, timeout: float) -> tuple[network.Binding, str]:
         # often resolves to a LAN address, and RPC must not listen there.
         binding = network.choose_binding("127.0.0.1")
     else:
-        binding = network.choose_binding(
+        binding = network.user_binding() or network.choose_binding(
             master_addr, multi_node=info.local_world_size < info.world_size
         )
     if binding.loopback and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # torch's rendezvous adds rank and world_size to the query itself.
         return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"
     if not binding.loopback:
+        # A user-set TP_SOCKET_IFNAME wins over metadist's choice: name what is really used.
+        ifname = os.environ.get("TP_SOCKET_IFNAME") or binding.ifname
+        address = binding.address if ifname == binding.ifname else network._ipv4_of(ifname)
+        why = (
+            "set by TP_SOCKET_IFNAME"
+            if os.environ.get("TP_SOCKET_IFNAME")
+            else f"chosen to reach MASTER_ADDR={master_addr}"
+        )
         logger.warning(
-            "metadist: worker %d listens for RPC on interface %s (%s), chosen to reach "
-            "MASTER_ADDR=%s; RPC is unauthenticated: run only on trusted networks",
+            "metadist: worker %d listens for RPC on interface %s (%s), %s; RPC is "
+            "unauthenticated: run only on trusted networks",
             info.world_rank,
-            os.environ.get("TP_SOCKET_IFNAME") or binding.ifname,
-            binding.address,
-            master_addr,
+            ifname,
+            address or "no IPv4 address",
+            why,
         )
     return binding, "env://"
 

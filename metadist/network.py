@@ -33,6 +33,7 @@ __all__ = [
     "free_loopback_port",
     "install_rendezvous_handlers",
     "socket_ifname_env",
+    "user_binding",
 ]
 
 logger = logging.getLogger("metadist")
@@ -160,6 +161,27 @@ def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
             f"MASTER_ADDR={master_addr!r}; set TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME"
         )
     return Binding(ifname=ifname, address=source, loopback=loopback)
+
+
+def user_binding() -> Binding | None:
+    """The binding the user chose with ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``, if both set.
+
+    User-set values always win, so metadist does not second-guess (or fail on) them.
+
+    Returns:
+        The user's interface and its IPv4 address (``"unknown"`` if it has none), or ``None``
+        when either variable is unset.
+
+    Example:
+        >>> import os
+        >>> user_binding() if "TP_SOCKET_IFNAME" not in os.environ else None
+    """
+    tp = os.environ.get("TP_SOCKET_IFNAME")
+    if not tp or not os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    address = _ipv4_of(tp)
+    loopback = address is not None and ipaddress.ip_address(address).is_loopback
+    return Binding(ifname=tp, address=address or "unknown", loopback=loopback)
 
 
 @contextlib.contextmanager

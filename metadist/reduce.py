@@ -36,6 +36,11 @@ class PartitionResults(list[Any]):
     Attributes:
         sizes: Batch items per partition (partition order), or ``None``.
 
+    Raises:
+        TypeError: ``sizes`` is not a sequence of ints.
+        ValueError: ``sizes`` does not have one positive size per result (a weighted mean
+            would silently be wrong).
+
     Example:
         >>> results = PartitionResults([1.0, 4.0], sizes=(3, 1))
         >>> mean_reducer(results)
@@ -44,7 +49,24 @@ class PartitionResults(list[Any]):
 
     def __init__(self, items: Sequence[Any] = (), sizes: Sequence[int] | None = None) -> None:
         super().__init__(items)
-        self.sizes: tuple[int, ...] | None = None if sizes is None else tuple(sizes)
+        if sizes is None:
+            self.sizes: tuple[int, ...] | None = None
+            return
+        if not isinstance(sizes, Sequence) or isinstance(sizes, (str, bytes)):
+            raise TypeError(
+                f"PartitionResults: sizes must be a sequence of ints or None, got {sizes!r}"
+            )
+        checked = tuple(sizes)
+        if any(isinstance(s, bool) or not isinstance(s, int) for s in checked):
+            raise TypeError(f"PartitionResults: sizes must hold ints, got {checked!r}")
+        if len(checked) != len(self):
+            raise ValueError(
+                f"PartitionResults: sizes={checked!r} must give one size per result "
+                f"({len(self)} results)"
+            )
+        if any(s < 1 for s in checked):
+            raise ValueError(f"PartitionResults: sizes={checked!r} must all be >= 1")
+        self.sizes = checked
 
 
 def _leafwise(

@@ -535,7 +535,9 @@ def barrier(
     Raises:
         RuntimeError: RPC is not running, or a peer failed.
         TimeoutError: Not every worker arrived within ``timeout`` seconds.
-        ValueError: Unknown workers, an empty list, or this worker is not in the list.
+        TypeError: ``worker_names`` is a single name or rank, or ``timeout`` is not a number.
+        ValueError: Unknown workers, an empty list, this worker is not in the list, or a
+            negative ``timeout``.
 
     Example:
         >>> import metadist
@@ -565,6 +567,8 @@ def barrier(
         raise ValueError(f"this worker ({own!r}) must be one of worker_names={list(group)}")
     if timeout is None:
         timeout = runtime.default_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
     if timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds (0 waits forever), got {timeout}")
     with runtime.lock:
@@ -602,6 +606,9 @@ def _selector(
     api: str, ranks: frozenset[int], run_on_listed: bool
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     def decorator(func: Callable[P, R]) -> Callable[P, R | None]:
+        if not callable(func):
+            raise TypeError(f"{api}: expected a function to decorate, got {func!r}")
+
         @functools.wraps(func)
         def wrapped(*args: P.args, **kwargs: P.kwargs) -> R | None:
             info = get_world_info()
@@ -633,6 +640,7 @@ def on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     Raises:
         ValueError: No rank, a negative or non-int rank (at decoration), or a rank not in the
             world (at call time).
+        TypeError: The decorated object is not callable.
 
     Example:
         >>> @on_rank(0)
@@ -655,6 +663,7 @@ def not_on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]
 
     Raises:
         ValueError: No rank, a negative or non-int rank, or a rank not in the world.
+        TypeError: The decorated object is not callable.
 
     Example:
         >>> @not_on_rank(1)
@@ -675,6 +684,9 @@ def rank_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
     Returns:
         A wrapper returning ``func``'s result on rank 0 and ``None`` on other ranks.
 
+    Raises:
+        TypeError: ``func`` is not callable.
+
     Example:
         >>> @rank_zero_only
         ... def save(path):
@@ -693,6 +705,9 @@ def rank_non_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
 
     Returns:
         A wrapper returning ``func``'s result on ranks other than 0 and ``None`` on rank 0.
+
+    Raises:
+        TypeError: ``func`` is not callable.
 
     Example:
         >>> @rank_non_zero_only

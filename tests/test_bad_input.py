@@ -33,8 +33,8 @@ from metadist.optim import (
     clip_grad_norm_,
     register_functional_optimizer,
 )
-from metadist.partition import dim_partitioner
-from metadist.reduce import cat_reducer, mean_reducer, sum_reducer
+from metadist.partition import Partitions, dim_partitioner
+from metadist.reduce import PartitionResults, cat_reducer, mean_reducer, sum_reducer
 
 # -- a counter of requests sent by this process -----------------------------------------------
 #
@@ -133,6 +133,10 @@ def _part_bad_kwargs(*args: Any, **kwargs: Any) -> Any:
     return [(1, args, [("k", 1)])]
 
 
+def _part_bad_sizes(*args: Any, **kwargs: Any) -> Any:
+    return Partitions([(1, args, kwargs), (2, args, kwargs)], sizes=(3,))
+
+
 # -- the table --------------------------------------------------------------------------------
 
 
@@ -163,6 +167,24 @@ WORLD_ROWS = [
     Row("barrier unknown", lambda fx: metadist.barrier([0, 7]), ValueError, r"worker id 7"),
     Row("barrier not self", lambda fx: metadist.barrier([1, 2]), ValueError, r"worker_names"),
     Row("barrier timeout", lambda fx: metadist.barrier(timeout=-1), ValueError, r"timeout"),
+    Row(
+        "barrier timeout str",
+        lambda fx: metadist.barrier(timeout="x"),  # type: ignore[arg-type]
+        TypeError,
+        r"timeout.*'x'",
+    ),
+    Row(
+        "on_rank not callable",
+        lambda fx: metadist.on_rank(0)(3),  # type: ignore[arg-type]
+        TypeError,
+        r"on_rank: expected a function to decorate, got 3",
+    ),
+    Row(
+        "rank_zero_only not callable",
+        lambda fx: metadist.rank_zero_only("save"),  # type: ignore[arg-type]
+        TypeError,
+        r"rank_zero_only: expected a function.*'save'",
+    ),
     Row("on_rank none", lambda fx: metadist.on_rank(), ValueError, r"on_rank.*rank"),
     Row("on_rank negative", lambda fx: metadist.on_rank(-1), ValueError, r"ranks.*-1"),
     Row(
@@ -421,13 +443,23 @@ REMOTE_ROWS = [
     ),
     Row("args int", lambda fx: _call(fx, args=5), TypeError, r"args must be a tuple or list"),
     Row("kwargs list", lambda fx: _call(fx, kwargs=[1]), TypeError, r"kwargs must be a dict"),
-    Row("partitioner rank", lambda fx: _call(fx, partitioner=99), ValueError, r"worker id 99"),
-    Row("partitioner -1", lambda fx: _call(fx, partitioner=-1), ValueError, r"worker id -1"),
+    Row(
+        "partitioner rank",
+        lambda fx: _call(fx, partitioner=99),
+        ValueError,
+        r"partitioner=99: unknown worker id 99",
+    ),
+    Row(
+        "partitioner -1",
+        lambda fx: _call(fx, partitioner=-1),
+        ValueError,
+        r"partitioner=-1: .*worker id -1",
+    ),
     Row(
         "partitioner name",
         lambda fx: _call(fx, partitioner="ghost"),
         ValueError,
-        r"worker name 'ghost'",
+        r"partitioner='ghost': .*worker name 'ghost'",
     ),
     Row("partitioner float", lambda fx: _call(fx, partitioner=1.5), TypeError, r"partitioner"),
     Row("partitioner bool", lambda fx: _call(fx, partitioner=True), TypeError, r"partitioner"),
@@ -523,6 +555,12 @@ REMOTE_ROWS = [
         TypeError,
         r"partitioner _part_bad_kwargs.*partition 0.*kwargs a dict",
     ),
+    Row(
+        "partitioner sizes",
+        lambda fx: _call(fx, partitioner=_part_bad_sizes),
+        ValueError,
+        r"partitioner _part_bad_sizes returned 2 partitions: .*sizes=\(3,\) must give one size",
+    ),
     # A reducer runs on the caller once every partition is back: requests did go out.
     Row(
         "reducer raises",
@@ -560,6 +598,24 @@ REMOTE_ROWS = [
         r"compression",
     ),
     Row("mean_reducer empty", lambda fx: mean_reducer([]), ValueError, r"no partition results"),
+    Row(
+        "PartitionResults sizes count",
+        lambda fx: PartitionResults([1.0, 3.0], sizes=(1,)),
+        ValueError,
+        r"sizes=\(1,\) must give one size per result \(2 results\)",
+    ),
+    Row(
+        "PartitionResults sizes negative",
+        lambda fx: PartitionResults([1.0, 3.0], sizes=(1, -5)),
+        ValueError,
+        r"sizes=\(1, -5\) must all be >= 1",
+    ),
+    Row(
+        "PartitionResults sizes float",
+        lambda fx: PartitionResults([1.0, 3.0], sizes=(1.0, 2.0)),
+        TypeError,
+        r"sizes must hold ints",
+    ),
     Row("sum_reducer not list", lambda fx: sum_reducer(3), TypeError, r"results must be a list"),
     Row(
         "cat_reducer shapes",

@@ -178,6 +178,33 @@ def test_rank_selectors_reject_bad_ranks(
         factory(*ranks)  # type: ignore[operator]
 
 
+def test_listening_interface_plan(clean_env: pytest.MonkeyPatch) -> None:
+    # Which interface a launch listens on, decided before RPC starts (no RPC needed).
+    from metadist.launch import _plan
+
+    for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        clean_env.delenv(name, raising=False)
+    multi = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    for name, value in {**multi, "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "1"}.items():
+        clean_env.setenv(name, value)
+    info = metadist.get_world_info()
+    with pytest.raises(ValueError, match=r"MASTER_ADDR='no-such-host.invalid' does not resolve"):
+        _plan(info, 60.0)
+    # User-set interfaces always win: metadist neither second-guesses nor fails on them.
+    clean_env.setenv("TP_SOCKET_IFNAME", "lo")
+    clean_env.setenv("GLOO_SOCKET_IFNAME", "lo")
+    binding, _ = _plan(info, 60.0)
+    assert (binding.ifname, binding.address) == ("lo", "127.0.0.1")
+    # One node, whatever MASTER_ADDR names: loopback, served by metadist's loopback store.
+    clean_env.delenv("TP_SOCKET_IFNAME")
+    clean_env.delenv("GLOO_SOCKET_IFNAME")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "4")
+    binding, url = _plan(metadist.get_world_info(), 60.0)
+    assert binding.loopback
+    assert binding.ifname == "lo"
+    assert url.startswith("metadist-loopback://127.0.0.1:1?")
+
+
 def test_auto_init_rpc_rejects_non_callables() -> None:
     with pytest.raises(TypeError, match="worker_init_fn must be callable or None, got 3"):
         metadist.auto_init_rpc(3)  # type: ignore[arg-type]
