@@ -16,7 +16,7 @@ from torch import nn
 
 # torch.utils._pytree is the pytree implementation torch.func itself uses; there is no public
 # equivalent in torch 2.13 (the brief allows it).
-from torch.utils._pytree import SUPPORTED_NODES, keystr, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_is_leaf, tree_unflatten
 
 from metadist.world import get_worker_id, get_world_size
 
@@ -182,13 +182,22 @@ class DimPartitioner:
         """Partition ``args``/``kwargs`` over the configured workers (all workers by default).
 
         Raises:
-            ValueError: See :meth:`split`; or an unknown worker.
+            ValueError: See :meth:`split`; or an unknown worker (the message names the entry,
+                e.g. ``workers[1]=3``, and lists the known workers).
         """
         if self.workers is None:
             worker_ids: list[int] = list(range(get_world_size()))
         else:
-            worker_ids = [get_worker_id(worker) for worker in self.workers]
+            worker_ids = [self._worker_id(i, worker) for i, worker in enumerate(self.workers)]
         return self.split(args, kwargs, worker_ids=worker_ids)
+
+    def _worker_id(self, index: int, worker: int | str) -> int:
+        try:
+            return get_worker_id(worker)
+        except ValueError as err:
+            # get_worker_id cannot know which argument it was given: name it here, keeping its
+            # message (the known workers) whole.
+            raise ValueError(f"dim_partitioner: workers[{index}]={worker!r}: {err}") from None
 
     def split(
         self, args: Sequence[Any], kwargs: dict[str, Any], *, worker_ids: Sequence[int]
@@ -217,9 +226,10 @@ class DimPartitioner:
         """
         if not worker_ids:
             raise ValueError("dim_partitioner: there must be at least one worker")
-        if not any(type(a) in SUPPORTED_NODES for a in args) and not any(
-            type(v) in SUPPORTED_NODES for v in kwargs.values()
-        ):
+        # Ask torch's pytree which values are containers, so the fast path agrees with
+        # tree_flatten: a `type(a) in SUPPORTED_NODES` test misses namedtuples (pytree matches
+        # them structurally, not by registered type) and would copy them whole to every worker.
+        if all(tree_is_leaf(a) for a in args) and all(tree_is_leaf(v) for v in kwargs.values()):
             return self._split_flat(tuple(args), kwargs, worker_ids)
         pairs, spec = tree_flatten_with_path((tuple(args), dict(kwargs)))
         split_at: list[tuple[int, int]] = []  # (leaf index, normalized dim)

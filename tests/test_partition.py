@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import pickle
+from collections import OrderedDict, defaultdict, namedtuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_structure
 
 from metadist.partition import DimPartitioner, Partitions, dim_partitioner, split_sizes
+
+# Both kinds of namedtuple: torch's pytree recognises them by shape, not by a registered type.
+Pair = namedtuple("Pair", ["x", "y"])
+
+
+class Batch(NamedTuple):
+    inputs: Any
+    labels: Any
 
 
 @st.composite
@@ -132,3 +143,124 @@ def test_partitioners_pickle_round_trip():
     assert [(w, args[0].tolist()) for w, args, _ in a] == [
         (w, args[0].tolist()) for w, args, _ in b
     ]
+
+
+def _check_split(
+    args: tuple[Any, ...], kwargs: dict[str, Any], parts: Partitions, dim: int, workers: list[int]
+) -> None:
+    """Each partition has the original structure, holds exactly its slice of every tensor leaf
+    (in order, so the slices reassemble to the original) and shares every other leaf."""
+    leaves, spec = tree_flatten((args, kwargs))
+    assert parts.sizes is not None
+    assert [wid for wid, _, _ in parts] == workers[: len(parts)]
+    offset = 0
+    for (_, p_args, p_kwargs), size in zip(parts, parts.sizes, strict=True):
+        p_leaves, p_spec = tree_flatten((p_args, p_kwargs))
+        assert p_spec == spec  # same containers, namedtuple classes included
+        for leaf, piece in zip(leaves, p_leaves, strict=True):
+            if isinstance(leaf, torch.Tensor):
+                assert torch.equal(piece, leaf.narrow(dim, offset, size))
+            else:
+                assert piece is leaf
+        offset += size
+    assert offset == next(t for t in leaves if isinstance(t, torch.Tensor)).shape[dim]
+
+
+def test_top_level_namedtuples_are_split_not_copied_whole():
+    x, y, t = torch.arange(8).reshape(4, 2), torch.arange(4) * 10, torch.arange(4) + 100
+    part = dim_partitioner(0)
+    cases: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((Pair(x, y),), {}),  # the only argument: used to raise "no tensor to split"
+        ((t, Pair(x, y)), {}),  # next to a tensor: used to give every worker the whole x and y
+        ((t,), {"batch": Batch(x, y)}),
+        ((), {"batch": Batch(x, "labels"), "t": t}),
+        ((Batch(Pair(x, [y, 3]), {"t": t}),), {}),  # nested namedtuples
+        (([Pair(x, y)],), {"d": {"p": Batch(t, y)}}),  # namedtuples below plain containers
+        ((OrderedDict(x=x, y=y), defaultdict(list, t=[t])), {}),
+        ((torch.max(x, 1),), {}),  # a structseq return type: a pytree node too
+    ]
+    for args, kwargs in cases:
+        parts = part.split(args, kwargs, worker_ids=[0, 1, 2])
+        assert parts.sizes == (2, 1, 1)
+        _check_split(args, kwargs, parts, 0, [0, 1, 2])
+    _, (_, pair), _ = part.split((t, Pair(x, y)), {}, worker_ids=[0, 1])[0]
+    assert type(pair) is Pair
+    assert pair.x.tolist() == [[0, 1], [2, 3]]
+    assert pair.y.tolist() == [0, 10]
+
+
+def test_namedtuple_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"args\[0\]\.x has 4 .* args\[0\]\.y has 3"):
+        dim_partitioner(0).split((Pair(torch.zeros(4), torch.zeros(3)),), {}, worker_ids=[0])
+    with pytest.raises(ValueError, match=r"kwargs\['b'\]\.labels has shape \(\)"):
+        dim_partitioner(0).split(
+            (), {"b": Batch(torch.zeros(2), torch.tensor(1.0))}, worker_ids=[0]
+        )
+
+
+def _leaf(tensor: st.SearchStrategy[torch.Tensor]) -> st.SearchStrategy[Any]:
+    return st.one_of(tensor, tensor, st.integers(), st.text(max_size=2), st.none())
+
+
+def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    keys = st.text("abc", min_size=1, max_size=2)
+    return st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(keys, children, max_size=3),
+        st.builds(Pair, children, children),
+        st.builds(Batch, children, children),
+        st.dictionaries(keys, children, max_size=3).map(OrderedDict),
+        st.dictionaries(keys, children, max_size=3).map(lambda d: defaultdict(list, d)),
+    )
+
+
+@st.composite
+def nested_batches(
+    draw: st.DrawFn,
+) -> tuple[tuple[Any, ...], dict[str, Any], int, list[int]]:
+    n = draw(st.integers(1, 6))
+    dim = draw(st.sampled_from([0, 1, -1]))
+    counter = iter(range(1 << 30))
+
+    def tensor(width: int) -> torch.Tensor:
+        # Distinct values everywhere, so a piece taken from the wrong place cannot pass.
+        base = next(counter) * 1000
+        t = torch.arange(base, base + n * width).reshape(n, width)
+        return t if dim == 0 else t.T.contiguous()
+
+    tensors = st.integers(1, 3).map(tensor)
+    tree = st.recursive(_leaf(tensors), _containers, max_leaves=8)
+    # The top level is where the bug was: make namedtuples common there, args and kwargs alike.
+    top = st.one_of(st.builds(Pair, tree, tree), st.builds(Batch, tree, tree), tree)
+    args = tuple(draw(st.lists(top, max_size=3)))
+    kwargs = draw(st.dictionaries(st.sampled_from(["a", "b", "c"]), top, max_size=2))
+    anchor = tensor(1)  # at least one tensor, somewhere in a namedtuple
+    if draw(st.booleans()):
+        args = (Pair(anchor, draw(tree)), *args)
+    else:
+        kwargs["anchor"] = Batch(draw(tree), anchor)
+    workers = draw(st.lists(st.integers(0, 9), min_size=1, max_size=4))
+    return args, kwargs, dim, workers
+
+
+@settings(max_examples=150, deadline=None)
+@given(nested_batches())
+def test_every_tensor_leaf_of_nested_containers_is_split(
+    case: tuple[tuple[Any, ...], dict[str, Any], int, list[int]],
+):
+    args, kwargs, dim, workers = case
+    parts = dim_partitioner(dim).split(args, kwargs, worker_ids=workers)
+    _check_split(args, kwargs, parts, dim % 2, workers)
+    # The same structure, split one item per partition, agrees with the chunked split.
+    exclusive = dim_partitioner(dim, exclusive=True).split(args, kwargs, worker_ids=workers)
+    assert tree_structure(exclusive[0][1:]) == tree_structure((args, kwargs))
+    _check_split(args, kwargs, exclusive, dim % 2, workers * len(exclusive))
+
+
+def test_unknown_worker_error_names_the_workers_entry():
+    part = dim_partitioner(0, workers=[0, 10**6])
+    with pytest.raises(
+        ValueError, match=r"dim_partitioner: workers\[1\]=1000000: unknown worker id 1000000: known"
+    ):
+        part(torch.zeros(4))
