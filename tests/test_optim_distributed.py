@@ -7,6 +7,7 @@ local ``torch.optim`` optimizer.
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from collections.abc import Callable
@@ -18,7 +19,13 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from _dist import run_world
 
-from metadist.optim import QHM, DistributedGradScaler, DistributedOptimizer, clip_grad_norm_
+from metadist.optim import (
+    QHM,
+    DistributedGradScaler,
+    DistributedOptimizer,
+    FunctionalAdam,
+    clip_grad_norm_,
+)
 
 OWNERS = ("worker1", "worker2", "worker0")  # pipeline order; worker0 is the caller
 DIM = 4
@@ -154,6 +161,8 @@ def _check_equivalence() -> None:
         (torch.optim.Adam, {"lr": 0.05, "amsgrad": True}, {"worker1": "scripted", 2: "eager"}),
         (QHM, {"lr": 0.1, "momentum": 0.9, "nu": 0.7}, "auto"),
         (torch.optim.NAdam, {"lr": 0.05}, "auto"),  # no functional twin: runs torch.optim itself
+        # Kernel choice overridden off: the per-tensor loop, still equal to torch.optim.
+        (torch.optim.Adam, {"lr": 0.05, "foreach": False, "fused": False}, "auto"),
     ]
     for n, (cls, kwargs, mode) in enumerate(cases):
         model = Model(seed=n)
@@ -177,6 +186,65 @@ def _check_equivalence() -> None:
             assert described["worker2"][0] == "eager"
         if cls is torch.optim.NAdam:
             assert {m for m, _, _ in described.values()} == {"torch"}
+        if kwargs.get("fused") is False:
+            assert set(described.values()) == {("eager", "single-tensor", 2)}, described
+
+
+def _check_kernels() -> None:
+    """Owners auto-pick only the kernel flags the user left unset; explicit values are obeyed."""
+    model = Model(seed=70)
+    qhm = {"lr": 0.1, "momentum": 0.9, "nu": 0.7}
+    cases: list[tuple[type, dict[str, Any], str]] = [
+        (torch.optim.Adam, {}, "fused"),
+        (torch.optim.Adam, {"fused": False}, "foreach"),  # 2 small params per owner
+        (torch.optim.Adam, {"foreach": False}, "fused"),
+        (torch.optim.Adam, {"foreach": True}, "foreach"),
+        (torch.optim.SGD, {"fused": False, "foreach": False}, "single-tensor"),
+        # QHM and the functional classes default the flags to False: not passing them still
+        # means "unset", passing False means off.
+        (QHM, qhm, "foreach"),
+        (QHM, {**qhm, "foreach": False}, "single-tensor"),
+        (FunctionalAdam, {}, "fused"),
+        (FunctionalAdam, {"fused": False, "foreach": False}, "single-tensor"),
+    ]
+    for cls, kwargs, expected in cases:
+        opt = DistributedOptimizer(cls, model.rrefs, **{"lr": 0.1, **kwargs})
+        kernels = {kernel for _, kernel, _ in opt.describe().values()}
+        assert kernels == {expected}, (cls.__name__, kwargs, kernels)
+
+
+def _window(
+    model: Model, opt: DistributedOptimizer, ref: torch.optim.Optimizer, xs: list[torch.Tensor]
+) -> None:
+    """One averaged accumulation window, distributed and local."""
+    ref.zero_grad()
+    for x in xs:
+        _dist_step(model, opt, x)
+        (model.local_loss(x) / len(xs)).backward()
+    ref.step()
+
+
+def _check_load_resets_accumulation() -> None:
+    """Gradients accumulated before load_state_dict are never applied after it."""
+    for cls in (torch.optim.Adam, torch.optim.NAdam):  # functional twin / torch.optim itself
+        model = Model(seed=80)
+        opt = DistributedOptimizer(cls, model.rrefs, lr=0.05, backward_passes_per_step=2)
+        ref = cls(model.local, lr=0.05)
+        xs = _inputs(7, seed=81)
+
+        _window(model, opt, ref, xs[0:2])
+        sd = opt.state_dict()
+        ref_sd = copy.deepcopy(ref.state_dict())  # torch's holds the live state tensors
+        _window(model, opt, ref, xs[2:4])
+        model.assert_matches_local(what=f"{cls.__name__} before the load")
+        before = model.values()
+        _dist_step(model, opt, xs[4])  # first pass of a window: accumulated on the owners only
+        assert all(torch.equal(a, b) for a, b in zip(before, model.values(), strict=True))
+        opt.load_state_dict(sd)
+        ref.load_state_dict(ref_sd)
+        assert not opt.next_step_applies  # a fresh window
+        _window(model, opt, ref, xs[5:7])  # must use xs[5] and xs[6] only, from the loaded state
+        model.assert_matches_local(what=f"{cls.__name__} after load_state_dict")
 
 
 def _check_accumulation() -> None:
@@ -387,6 +455,58 @@ def _check_bad_input() -> None:
         opt.step("1")  # type: ignore[arg-type]
     with dist_autograd.context() as cid, pytest.raises(ValueError, match="max_norm"):
         clip_grad_norm_(opt, cid, max_norm=-1.0)
+    # Wrong types are named up front, not left to fail obscurely on an owner.
+    wrong_types: list[tuple[Callable[[], object], type[Exception], str]] = [
+        (
+            lambda: DistributedOptimizer(int, model.rrefs, lr=0.1),
+            TypeError,
+            r"optimizer_class must be a torch\.optim\.Optimizer subclass .*got <class 'int'>",
+        ),
+        (
+            lambda: DistributedOptimizer(
+                torch.optim.SGD, model.rrefs, lr=0.1, average_accumulated="no"
+            ),
+            TypeError,
+            r"average_accumulated must be a bool, got 'no'",
+        ),
+        (
+            lambda: DistributedOptimizer(torch.optim.Adam, model.rrefs, lr=0.1, foreach="x"),
+            TypeError,
+            r"foreach must be True, False or None .*got 'x'",
+        ),
+        (
+            lambda: DistributedOptimizer(FunctionalAdam, model.rrefs, foreach=True, fused=True),
+            ValueError,
+            r"fused=True and foreach=True",
+        ),
+        (
+            lambda: DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, timeout=True),
+            ValueError,
+            r"timeout must be a positive number of seconds, got True",
+        ),
+        (
+            lambda: opt.load_state_dict(
+                {"state": [], "param_groups": [{"params": list(range(6))}]}
+            ),
+            ValueError,
+            r"state_dict\['state'\] must be a dict",
+        ),
+        (
+            lambda: opt.load_state_dict({"state": {}, "param_groups": {"params": [0]}}),
+            ValueError,
+            r"state_dict\['param_groups'\] must be a list of dicts",
+        ),
+        (
+            lambda: opt.load_state_dict(
+                {"state": {0: 3}, "param_groups": [{"params": list(range(6))}]}
+            ),
+            ValueError,
+            r"state_dict\['state'\]\[0\] must be a dict of state tensors, got int",
+        ),
+    ]
+    for call, error, message in wrong_types:
+        with pytest.raises(error, match=message):
+            call()
 
 
 def _world(rank: int, world_size: int, checks: list[str]) -> None:
@@ -402,6 +522,8 @@ def _world(rank: int, world_size: int, checks: list[str]) -> None:
         "lr_scheduler": _check_lr_scheduler,
         "parameter_server": _check_parameter_server,
         "bad_input": _check_bad_input,
+        "kernels": _check_kernels,
+        "load_resets_accumulation": _check_load_resets_accumulation,
     }
     for name in checks:
         scenarios[name]()
@@ -416,6 +538,8 @@ def test_distributed_optimizer_world_of_3() -> None:
             "bad_input",
             "equivalence",
             "accumulation",
+            "kernels",
+            "load_resets_accumulation",
             "scaler",
             "clipping",
             "state_dict",

@@ -24,6 +24,7 @@ from metadist.optim import (
     FunctionalRMSprop,
     FunctionalRprop,
     FunctionalSGD,
+    _local,
     get_functional_optimizer,
     register_functional_optimizer,
     script_functional_optimizer,
@@ -209,6 +210,72 @@ def test_qhm_matches_update_rule(weight_decay_type: str, kernel: str) -> None:
         torch.testing.assert_close(mine, ref, atol=1e-6, rtol=1e-6)
 
 
+def test_owner_kernel_choice_is_overridable() -> None:
+    """Only flags left unset (None) are auto-picked; an explicit False or True is obeyed.
+
+    The owner-side optimizer needs no RPC to build, so the whole matrix runs in-process.
+    """
+    small = [torch.zeros(8), torch.zeros(8)]  # CPU floats, mean size small: fused and foreach fit
+
+    def build(cls: type, fcls: type, **kwargs: Any) -> _local._LocalOptimizer:
+        params = [t.clone() for t in small]
+        return _local._LocalOptimizer(cls, fcls, params, kwargs, "auto", 1, True, 10.0)
+
+    adam = {"lr": 0.1}
+    qhm = {"lr": 0.1, "momentum": 0.9, "nu": 0.7}
+    cases: list[tuple[type, type, dict[str, Any], str]] = [
+        (torch.optim.Adam, FunctionalAdam, {**adam, "foreach": None, "fused": None}, "fused"),
+        (
+            torch.optim.Adam,
+            FunctionalAdam,
+            {**adam, "foreach": False, "fused": False},
+            "single-tensor",
+        ),
+        (torch.optim.Adam, FunctionalAdam, {**adam, "fused": False}, "foreach"),
+        (torch.optim.Adam, FunctionalAdam, {**adam, "foreach": False}, "fused"),
+        (torch.optim.Adam, FunctionalAdam, {**adam, "foreach": True}, "foreach"),
+        (torch.optim.Adam, FunctionalAdam, {**adam, "fused": True, "foreach": False}, "fused"),
+        (torch.optim.RMSprop, FunctionalRMSprop, {"lr": 0.1}, "foreach"),  # no fused kernel
+        (torch.optim.RMSprop, FunctionalRMSprop, {"lr": 0.1, "foreach": False}, "single-tensor"),
+        (QHM, FunctionalQHM, {**qhm, "foreach": None}, "foreach"),
+        (QHM, FunctionalQHM, {**qhm, "foreach": False}, "single-tensor"),
+    ]
+    for cls, fcls, kwargs, expected in cases:
+        local = build(cls, fcls, **kwargs)
+        assert local.describe() == ("eager", expected, 2), (cls.__name__, kwargs)
+        # The functional optimizer really runs that kernel (not just reports it).
+        functional = local._functional
+        assert bool(getattr(functional, "fused", False)) == (expected == "fused"), kwargs
+        assert bool(functional.foreach) == (expected == "foreach"), kwargs
+    # The per-tensor loop gives torch.optim's result (explicit False on both flags).
+    local = build(torch.optim.Adam, FunctionalAdam, lr=0.1, foreach=False, fused=False)
+    ref_params = [torch.nn.Parameter(t.clone()) for t in small]
+    ref = torch.optim.Adam(ref_params, lr=0.1, foreach=False, fused=False)
+    for grads in (
+        [torch.ones(8), torch.arange(8.0)],
+        [torch.full((8,), -2.0), torch.ones(8)],
+    ):
+        for p, g in zip(ref_params, grads, strict=True):
+            p.grad = g
+        ref.step()
+        local._apply(list(grads))
+    for mine, theirs in zip(local.params, ref_params, strict=True):
+        torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="fused=True and foreach=True"):
+        build(torch.optim.Adam, FunctionalAdam, lr=0.1, foreach=True, fused=True)
+    with pytest.raises(ValueError, match="cannot run under TorchScript"):
+        _local._LocalOptimizer(
+            torch.optim.Adam,
+            FunctionalAdam,
+            [torch.zeros(1)],
+            {"fused": True},
+            "scripted",
+            1,
+            True,
+            10.0,
+        )
+
+
 def test_gradients_are_not_modified() -> None:
     params = [torch.ones(3), torch.ones(2)]
     grads = [torch.full((3,), 2.0), torch.full((2,), -1.0)]
@@ -234,6 +301,23 @@ def test_bad_input_raises_with_names() -> None:
         QHM([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=1.5, nu=0.7)
     with pytest.raises(ValueError, match="Invalid learning rate"):
         FunctionalSGD([torch.zeros(1)], lr=-1.0)
+    # script_functional_optimizer checks its argument before compiling anything.
+    not_functional: list[tuple[Any, str]] = [
+        (3, r"optim must be a functional optimizer instance.*got 3 of type int.*step"),
+        (FunctionalAdam, r"optim must be .*got the class FunctionalAdam"),
+        (
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+            r"optim must be .*got the torch.optim.Optimizer SGD",
+        ),
+        (object(), r"optim must be .*which has no step / state / defaults"),
+    ]
+    for value, message in not_functional:
+        with pytest.raises(TypeError, match=message):
+            script_functional_optimizer(value)
+    with pytest.raises(ValueError, match="built with fused=True"):
+        script_functional_optimizer(FunctionalAdam([torch.zeros(1)], fused=True))
+    with pytest.raises(ValueError, match="built with foreach=True"):
+        script_functional_optimizer(FunctionalSGD([torch.zeros(1)], lr=0.1, foreach=True))
 
 
 def test_registry_defaults_and_decorator() -> None:
@@ -249,6 +333,16 @@ def test_registry_defaults_and_decorator() -> None:
     assert get_functional_optimizer(MyOptimizer) is FunctionalSGD
     with pytest.raises(TypeError, match="optimizer_class must be a class"):
         register_functional_optimizer("SGD", FunctionalSGD)  # type: ignore[call-overload]
+    # Wrong types fail here with the argument named, not later on an owner.
+    with pytest.raises(TypeError, match=r"optimizer_class must be a class, got \[1\]"):
+        get_functional_optimizer([1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="optimizer_class must be a class, got 'Adam'"):
+        get_functional_optimizer("Adam")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got the torch\.optim\.Optimizer SGD"):
+        register_functional_optimizer(MyOptimizer, torch.optim.SGD)
+    with pytest.raises(TypeError, match="must define step"):
+        register_functional_optimizer(MyOptimizer, type("NoStep", (), {}))
+    assert get_functional_optimizer(MyOptimizer) is FunctionalSGD  # failed calls changed nothing
 
 
 def test_import_does_not_script() -> None:

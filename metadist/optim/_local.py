@@ -60,6 +60,36 @@ def to_functional_hparams(hparams: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def eager_kernel(
+    accepted: set[str], params: list[Tensor], foreach: bool | None, fused: bool | None
+) -> str:
+    """Pick ``"fused"``, ``"foreach"`` or ``"single-tensor"`` for an eager functional optimizer.
+
+    ``accepted`` holds the functional class's constructor arguments; ``foreach``/``fused`` are the
+    user's flags, ``None`` when unset.
+    """
+    if "fused" in accepted and (
+        fused
+        or (
+            fused is None
+            and not foreach
+            and all(p.dtype in _FUSED_DTYPES and p.device.type == "cpu" for p in params)
+        )
+    ):
+        return "fused"
+    if "foreach" in accepted and (
+        foreach
+        or (
+            foreach is None
+            and not fused
+            and len(params) > 1
+            and sum(p.numel() for p in params) / len(params) <= FOREACH_MAX_MEAN_NUMEL
+        )
+    ):
+        return "foreach"
+    return "single-tensor"
+
+
 class _LocalOptimizer:
     """The optimizer for one owner's share of the parameters."""
 
@@ -98,34 +128,25 @@ class _LocalOptimizer:
             return
         accepted = _ctor_params(functional_class)
         kwargs = {k: v for k, v in ctor_kwargs.items() if k in accepted}
-        user_foreach = bool(kwargs.pop("foreach", None))
-        user_fused = bool(kwargs.pop("fused", None))
+        # None means "unset": only unset flags are auto-picked. An explicit False rules that
+        # kernel out and an explicit True forces it, as the user asked.
+        foreach: bool | None = kwargs.pop("foreach", None)
+        fused: bool | None = kwargs.pop("fused", None)
+        if foreach and fused:
+            raise ValueError("fused=True and foreach=True cannot be used together; pick one")
         fast = "foreach" in accepted or "fused" in accepted
         if mode == "auto":
             mode = "eager" if fast else "scripted"
-        if mode == "scripted" and (user_foreach or user_fused):
+        if mode == "scripted" and (foreach or fused):
             raise ValueError(
                 "foreach=True / fused=True cannot run under TorchScript; use mode='eager' "
                 "for these owners or leave foreach/fused unset"
             )
         kernel = "single-tensor"
         if mode == "eager":
-            if user_fused or (
-                not user_foreach
-                and "fused" in accepted
-                and all(p.dtype in _FUSED_DTYPES and p.device.type == "cpu" for p in params)
-            ):
-                kwargs["fused"] = True
-                kernel = "fused"
-            elif "foreach" in accepted and (
-                user_foreach
-                or (
-                    len(params) > 1
-                    and sum(p.numel() for p in params) / len(params) <= FOREACH_MAX_MEAN_NUMEL
-                )
-            ):
-                kwargs["foreach"] = True
-                kernel = "foreach"
+            kernel = eager_kernel(accepted, params, foreach, fused)
+            if kernel != "single-tensor":
+                kwargs[kernel] = True
         self.mode = mode
         self.kernel = kernel
         functional = functional_class(params, **kwargs)
@@ -303,6 +324,10 @@ class _LocalOptimizer:
                 raise ValueError(
                     f"state for {len(states)} parameters sent to an owner of {len(self.params)}"
                 )
+            # A load starts a fresh accumulation window on every path (the caller resets its
+            # pass count), so gradients accumulated before it are never applied after it.
+            self.accum = None
+            self.staged.clear()
             if self._torch_optim is not None:
                 self._torch_optim.state.clear()
                 for p, s in zip(self.params, states, strict=True):
@@ -317,8 +342,6 @@ class _LocalOptimizer:
                 self._scripted.set_state(new)
             else:
                 self._functional.state = new
-            self.accum = None
-            self.staged.clear()
         finally:
             self.lock.release()
 

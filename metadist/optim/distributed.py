@@ -9,6 +9,7 @@ scaler (:class:`metadist.optim.DistributedGradScaler`) and global-norm clipping
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from collections import defaultdict
@@ -30,6 +31,7 @@ __all__ = ["DEFAULT_TIMEOUT", "DistributedOptimizer", "clip_grad_norm_"]
 #: Seconds any single optimizer request (and an owner's lock wait) may take.
 DEFAULT_TIMEOUT = 60.0
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
+_KERNEL_FLAGS = ("foreach", "fused")
 # rpc.remote returns the C++ PyRRef; rpc.RRef is the typing-friendly Python subclass.
 _RREF_TYPES = (rpc.RRef, rpc.PyRRef)  # type: ignore[attr-defined]
 
@@ -50,7 +52,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     * ``"eager"``: plain Python calling torch's fastest CPU kernels: ``fused`` where torch has one
       (SGD, Adam, AdamW, Adagrad on floating-point CPU parameters), otherwise ``foreach``
       (multi-tensor) when the owner holds many small parameters (mean size <= 32,768 elements),
-      otherwise the per-tensor loop. Kernels release the GIL while they run.
+      otherwise the per-tensor loop. Kernels release the GIL while they run. Only flags left
+      unset (``None``) are picked: ``fused=False`` rules the fused kernel out, ``foreach=False``
+      the multi-tensor one (both ``False``: the per-tensor loop), and ``True`` forces a kernel.
     * ``"scripted"``: the functional optimizer compiled with ``torch.jit.script`` (on first use,
       cached per class) and stepped without the GIL, the recipe's route for multithreaded
       parameter servers. It uses the per-tensor loop and is slower than ``"eager"`` on CPU.
@@ -83,10 +87,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Raises:
         RuntimeError: If metadist's RPC world is not running.
-        TypeError: If ``optimizer_class`` is not a class or ``params_rref`` holds a non-RRef.
+        TypeError: If ``optimizer_class`` is neither a ``torch.optim.Optimizer`` subclass nor a
+            registered functional class, ``params_rref`` holds a non-RRef,
+            ``average_accumulated`` is not a bool, or ``foreach``/``fused`` is not a bool or
+            ``None``.
         ValueError: On an empty or duplicated ``params_rref``, an unknown owner or ``mode``,
-            ``backward_passes_per_step < 1``, or hyperparameters ``optimizer_class`` rejects.
-            All checked before any request is sent.
+            ``backward_passes_per_step`` not an int ``>= 1``, ``foreach=True`` with
+            ``fused=True``, or hyperparameters ``optimizer_class`` rejects. All checked before
+            any request is sent.
 
     Example:
         A world of 1 (plain ``python``), where this process owns the parameter; with more
@@ -125,17 +133,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         require_rpc("DistributedOptimizer")
         if not isinstance(optimizer_class, type):
             raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+        functional_class = get_functional_optimizer(optimizer_class)
+        if functional_class is None and not issubclass(optimizer_class, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass or a registered "
+                f"functional optimizer class, got {optimizer_class!r}"
+            )
         if isinstance(params_rref, _RREF_TYPES) or not isinstance(params_rref, Sequence):
             raise TypeError(
                 f"params_rref must be a list of RRefs to parameters, got {type(params_rref)!r}"
             )
         if len(params_rref) == 0:
             raise ValueError("params_rref is empty; pass at least one parameter RRef")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        if (
+            not isinstance(backward_passes_per_step, int)
+            or isinstance(backward_passes_per_step, bool)
+            or backward_passes_per_step < 1
+        ):
             raise ValueError(
                 f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
             )
-        if not (isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout)):
+        if not isinstance(average_accumulated, bool):
+            raise TypeError(
+                f"average_accumulated must be a bool, got {average_accumulated!r} "
+                f"of type {type(average_accumulated).__name__}"
+            )
+        if not (
+            isinstance(timeout, int | float)
+            and not isinstance(timeout, bool)
+            and timeout > 0
+            and math.isfinite(timeout)
+        ):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         known = get_worker_names()
         seen: set[int] = set()
@@ -153,7 +181,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
         modes = _resolve_modes(mode, {r.owner().name for r in params_rref})
 
-        functional_class = get_functional_optimizer(optimizer_class)
         if functional_class is optimizer_class:
             group = _functional_group(optimizer_class, args, kwargs)
             local_class = optimizer_class
@@ -166,6 +193,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"{flag}={group[flag]!r} is not supported by DistributedOptimizer "
                     "(owners step outside autograd and graph capture)"
                 )
+        for flag in _KERNEL_FLAGS:
+            if group.get(flag) is not None and not isinstance(group[flag], bool):
+                raise TypeError(
+                    f"{flag} must be True, False or None (unset), got {group[flag]!r} "
+                    f"of type {type(group[flag]).__name__}"
+                )
+        if group.get("foreach") and group.get("fused"):
+            raise ValueError("fused=True and foreach=True cannot be used together; pick one")
 
         self.optimizer_class = optimizer_class
         self.functional_class = functional_class
@@ -188,6 +223,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             per_owner.setdefault(rref.owner().name, []).append(i)
         self._owner_indices = per_owner
         ctor_kwargs = {k: v for k, v in group.items() if k not in ("params",)}
+        if functional_class is not None:
+            # The owners auto-pick only kernel flags that are unset (None). A flag the user did
+            # not pass is unset whatever the class defaults it to (QHM and the functional
+            # classes say False), so an explicit False stays distinguishable from "not given".
+            passed = _passed_names(optimizer_class, args, kwargs)
+            for flag in _KERNEL_FLAGS:
+                if flag in ctor_kwargs and flag not in passed:
+                    ctor_kwargs[flag] = None
         futures: dict[str, Future[Any]] = {}
         for owner, indices in per_owner.items():
             if owner == me:
@@ -383,16 +426,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Send the state of a :meth:`state_dict` result back to the owners.
 
-        Also restores the param group's hyperparameters (``lr``, ``initial_lr``, ...).
+        Also restores the param group's hyperparameters (``lr``, ``initial_lr``, ...) and starts
+        a new accumulation window: gradients accumulated before the load are dropped.
 
         Args:
             state_dict: A dict from :meth:`state_dict` (or a ``torch.optim`` state dict of the
                 same algorithm over the same parameters, in ``params_rref`` order).
 
         Raises:
-            ValueError: If the dict does not have one param group over exactly
-                ``len(params_rref)`` parameters, or a state index is out of range. Checked
-                before any request.
+            ValueError: If the dict is not in ``torch.optim`` format (``"state"`` a dict of
+                dicts, ``"param_groups"`` a list of dicts), does not have one param group over
+                exactly ``len(params_rref)`` parameters, or a state index is out of range.
+                Checked before any request.
 
         Example:
             >>> opt.load_state_dict(torch.load("opt.pt"))  # doctest: +SKIP
@@ -406,6 +451,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         groups = state_dict["param_groups"]
         n = len(self.params_rref)
+        if not isinstance(groups, Sequence) or not all(isinstance(g, Mapping) for g in groups):
+            raise ValueError(
+                f"state_dict['param_groups'] must be a list of dicts, got {groups!r:.200}"
+            )
+        if not isinstance(state_dict["state"], Mapping):
+            raise ValueError(
+                f"state_dict['state'] must be a dict {{index: {{name: value}}}}, got "
+                f"{type(state_dict['state']).__name__}"
+            )
         if len(groups) != 1 or len(groups[0].get("params", ())) != n:
             raise ValueError(
                 f"state_dict must have 1 param group over {n} parameters, got "
@@ -418,6 +472,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"state_dict['state'] has an entry for parameter {key!r}, which is not in "
                     f"its param group (0..{n - 1})"
+                )
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"state_dict['state'][{key!r}] must be a dict of state tensors, got "
+                    f"{type(value).__name__}"
                 )
             states[order[key]] = value
         futures: dict[str, Future[Any]] = {}
@@ -640,8 +699,6 @@ def _functional_group(
     functional_class: type, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     """Bind hyperparameters to a functional class's signature; return them as a group dict."""
-    import inspect
-
     signature = inspect.signature(functional_class.__init__)  # type: ignore[misc]
     try:
         bound = signature.bind(None, [], *args, **kwargs)
@@ -655,6 +712,16 @@ def _functional_group(
             f"{functional_class.__name__} rejected the hyperparameters: {exc}"
         ) from exc
     return {k: v for k, v in bound.arguments.items() if k not in ("self", "params")}
+
+
+def _passed_names(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
+    """Names of the constructor arguments the user passed (positionally or by keyword)."""
+    try:
+        signature = inspect.signature(cls.__init__)  # type: ignore[misc]
+        bound = signature.bind_partial(None, None, *args, **kwargs)
+    except (TypeError, ValueError):
+        return set(kwargs)
+    return set(bound.arguments)
 
 
 def _wait_all(futures: Mapping[str, Future[Any]]) -> dict[str, Any]:

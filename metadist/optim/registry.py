@@ -81,7 +81,9 @@ def register_functional_optimizer(
         ``functional_class`` (or a decorator that registers and returns its argument).
 
     Raises:
-        TypeError: If either argument is not a class.
+        TypeError: If either argument is not a class, or ``functional_class`` has no ``step``
+            method or is a ``torch.optim.Optimizer`` (which reads ``.grad`` and cannot be
+            stepped with a gradient list).
 
     Example:
         >>> import torch
@@ -99,6 +101,18 @@ def register_functional_optimizer(
     def register(cls: T) -> T:
         if not isinstance(cls, type):
             raise TypeError(f"functional_class must be a class, got {cls!r}")
+        # Caught here, not on the owners at the first step, where the error would be obscure.
+        if issubclass(cls, torch.optim.Optimizer):
+            raise TypeError(
+                f"functional_class must be a functional optimizer class (step(gradients), no "
+                f".grad), got the torch.optim.Optimizer {cls.__name__}; leave "
+                f"{optimizer_class.__name__} unregistered to run it as itself"
+            )
+        if not callable(getattr(cls, "step", None)):
+            raise TypeError(
+                f"functional_class must define step(gradients), got {cls.__name__}, which has "
+                "no step method"
+            )
         with _lock:
             _REGISTRY[optimizer_class] = cls
         return cls
@@ -120,11 +134,16 @@ def get_functional_optimizer(optimizer_class: type) -> type | None:
         The registered functional class, ``optimizer_class`` itself if it already is one, or
         ``None``.
 
+    Raises:
+        TypeError: If ``optimizer_class`` is not a class.
+
     Example:
         >>> import torch
         >>> get_functional_optimizer(torch.optim.Adam).__name__
         'FunctionalAdam'
     """
+    if not isinstance(optimizer_class, type):
+        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
     with _lock:
         found = _REGISTRY.get(optimizer_class)
         if found is None and optimizer_class in _REGISTRY.values():

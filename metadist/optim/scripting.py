@@ -29,6 +29,11 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
     Args:
         optim: A functional optimizer instance (``step(gradients)``, ``state``, ``defaults``).
 
+    Raises:
+        TypeError: If ``optim`` is not a functional optimizer instance (a class, a
+            ``torch.optim.Optimizer``, or an object without ``step``, ``state`` or ``defaults``).
+        ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
+
     Example:
         >>> import torch
         >>> from metadist.optim import FunctionalSGD
@@ -40,6 +45,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
     """
 
     def __init__(self, optim: Any) -> None:
+        _check_functional_optimizer(optim, "optim")
         super().__init__()
         self.optim = optim
 
@@ -135,6 +141,11 @@ def script_functional_optimizer(optim: Any) -> Any:
         ``set_state``, ``get_defaults`` and ``set_defaults`` run in TorchScript.
 
     Raises:
+        TypeError: If ``optim`` is not a functional optimizer instance (a class, a
+            ``torch.optim.Optimizer``, or an object without ``step``, ``state`` or ``defaults``).
+            Checked before anything is compiled.
+        ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True`` (TorchScript
+            runs neither).
         RuntimeError: If the class cannot be compiled (torch's message says where).
 
     Example:
@@ -146,5 +157,46 @@ def script_functional_optimizer(optim: Any) -> Any:
         >>> p
         tensor([-0.1000])
     """
+    _check_functional_optimizer(optim, "optim")
     with _compile_lock, quiet_torch_warnings():
         return torch.jit.script(ScriptedFunctionalOptimizer(optim))
+
+
+def _check_functional_optimizer(optim: Any, name: str) -> None:
+    """Raise a clear error unless ``optim`` is a scriptable functional optimizer instance.
+
+    TorchScript would otherwise fail with a compile error about a missing attribute.
+    """
+    expected = (
+        "a functional optimizer instance (with step(gradients), a state dict and a defaults "
+        "dict), e.g. FunctionalAdam(params, lr=0.1)"
+    )
+    if isinstance(optim, type):
+        raise TypeError(
+            f"{name} must be {expected}, got the class {optim.__name__}; create an instance first"
+        )
+    if isinstance(optim, torch.optim.Optimizer):
+        raise TypeError(
+            f"{name} must be {expected}, got the torch.optim.Optimizer {type(optim).__name__}, "
+            "which reads .grad; use its functional twin (see get_functional_optimizer)"
+        )
+    lacking = [
+        what
+        for what, ok in (
+            ("step", callable(getattr(optim, "step", None))),
+            ("state", isinstance(getattr(optim, "state", None), dict)),
+            ("defaults", isinstance(getattr(optim, "defaults", None), dict)),
+        )
+        if not ok
+    ]
+    if lacking:
+        raise TypeError(
+            f"{name} must be {expected}, got {optim!r:.100} of type {type(optim).__name__}, "
+            f"which has no {' / '.join(lacking)}"
+        )
+    for flag in ("foreach", "fused"):
+        if getattr(optim, flag, False) is True:
+            raise ValueError(
+                f"{name} was built with {flag}=True, which TorchScript cannot run; build it with "
+                f"{flag}=False (the default) to script it"
+            )
