@@ -14,9 +14,10 @@ Floating-point caveat: the first pass in a :func:`context` reads the map directl
 passes in the same context get their contribution as ``map_after - map_before``, which can
 differ from a fresh computation in the last bits (about 1e-7 relative in float32).
 
-Distributed autograd (FAST mode) also needs every remote result received in a context to be
-reachable from the roots of each backward pass, or it waits forever. metadist checks this for
-results of :func:`metadist.remote_async_call` made inside :func:`context` and raises instead.
+Distributed autograd (FAST mode) also needs every remote result received in a context, also
+before an earlier backward pass in it, to be reachable from the roots of each backward pass, or
+it waits forever. metadist checks this for results of :func:`metadist.remote_async_call` made
+inside :func:`context` and raises instead; open one context per backward pass.
 
 Example:
     >>> import torch
@@ -155,10 +156,14 @@ def check_context(context_id: int, api: str) -> None:
         ) from None
 
 
-def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> None:
-    pending = {id(node): node for node in transport._received(context_id)}
-    if not pending:
-        return
+def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> int:
+    """Raise unless this pass can complete; return how many received nodes it reaches."""
+    nodes, passed, freed = transport._received(context_id)
+    if not nodes:
+        return 0
+    pending = {id(node): i for i, node in enumerate(nodes)}
+    # Holds the visited nodes: their Python wrappers may be created on access, and a freed
+    # one's id could be reused by another node.
     seen: dict[int, Any] = {}
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     while stack and pending:
@@ -169,13 +174,31 @@ def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> None:
         pending.pop(id(node), None)
         stack.extend(child for child, _ in node.next_functions if child is not None)
     if pending:
+        earlier = sum(i < passed for i in pending.values())
+        hint = (
+            f" {earlier} of them were received before an earlier backward pass in this context "
+            f"and every later pass in a context must reach them too: open a new "
+            f"metadist.autograd.context() for each backward pass (e.g. one per step)"
+            if earlier
+            else ""
+        )
         raise RuntimeError(
             f"{len(pending)} remote result(s) received in distributed autograd context "
             f"{context_id} are not reachable from the roots of this backward pass; torch's "
             f"distributed autograd would wait for their gradients forever. Include them in the "
             f"roots (e.g. backward on the sum of all losses), or compute them in their own "
-            f"context"
+            f"context.{hint}"
         )
+    if freed:
+        # Every result is reached, so those an earlier pass freed would fail on the workers.
+        raise RuntimeError(
+            f"{freed} remote result(s) reached by this backward pass were already "
+            f"differentiated by an earlier backward pass in distributed autograd context "
+            f"{context_id} without retain_graph=True, which freed their graph. Pass "
+            f"retain_graph=True to the earlier pass, or open a new metadist.autograd.context() "
+            f"for each backward pass (e.g. one per step)"
+        )
+    return len(nodes)
 
 
 def _snapshot(context_id: int, only: list[torch.Tensor] | None) -> dict[torch.Tensor, torch.Tensor]:
@@ -190,10 +213,12 @@ def _snapshot(context_id: int, only: list[torch.Tensor] | None) -> dict[torch.Te
     return {t: grads[t].clone() for t in only if t in grads}
 
 
-def _run(context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> dict[Any, Any]:
+def _run(
+    context_id: int, roots: list[torch.Tensor], retain_graph: bool, reached: int
+) -> dict[Any, Any]:
     _dist_backward(context_id, roots, retain_graph=retain_graph)
-    with transport._RECEIVED_LOCK:
-        transport._RECEIVED.pop(context_id, None)  # consumed by this pass
+    # The received nodes stay until the context closes: later passes must reach them too.
+    transport._record_pass(context_id, reached, retain_graph)
     grads: dict[Any, Any] = _dist_get_gradients(context_id)
     return grads
 
@@ -238,9 +263,9 @@ def backward(
     check_context(context_id, "metadist.autograd.backward")
     roots = _roots(tensors, "tensors")
     targets = None if inputs is None else _leaves(inputs, "inputs")
-    _check_reachable(context_id, roots)
+    reached = _check_reachable(context_id, roots)
     before = _snapshot(context_id, targets)
-    after = _run(context_id, roots, retain_graph)
+    after = _run(context_id, roots, retain_graph, reached)
     with torch.no_grad():
         for t in after if targets is None else targets:
             total = after.get(t)
@@ -300,9 +325,9 @@ def grad(
     check_context(context_id, "metadist.autograd.grad")
     roots = _roots(outputs, "outputs")
     targets = _leaves(inputs, "inputs")
-    _check_reachable(context_id, roots)
+    reached = _check_reachable(context_id, roots)
     before = _snapshot(context_id, targets)
-    after = _run(context_id, roots, retain_graph)
+    after = _run(context_id, roots, retain_graph, reached)
     result: list[torch.Tensor | None] = []
     with torch.no_grad():
         for i, t in enumerate(targets):

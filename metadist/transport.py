@@ -32,6 +32,8 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import repeat
+from operator import is_
 from typing import Any
 
 import torch
@@ -174,10 +176,24 @@ _Spec = tuple[_Slots, _Slots, _Slots]
 # Where a module sits in the arguments: (args, kwargs, leaf index); named only on errors.
 _Where = tuple[tuple[Any, ...], dict[str, Any], int]
 
+# Per module, every slot that decides the plan's shape, in order: parameter names and the object
+# in each slot (identity also decides which slots share a tensor), buffer names and which are
+# None (buffers are read by name per call, so replacing one needs no new plan), child names and
+# the child in each slot.
+_Check = tuple[
+    tuple[str, ...],
+    tuple[nn.Parameter | None, ...],
+    tuple[str, ...],
+    tuple[bool, ...],
+    tuple[str, ...],
+    tuple[nn.Module | None, ...],
+]
+
 
 class _Plan:
     __slots__ = (
         "buffer_reads",
+        "buffer_ties",
         "checks",
         "fingerprint",
         "param_reads",
@@ -196,7 +212,10 @@ class _Plan:
         param_reads: list[tuple[int, str, torch.Tensor]] = []
         buffer_reads: list[tuple[int, str]] = []
         specs: list[_Spec] = []
-        checks: list[tuple[int, int, int, tuple[nn.Module | None, ...]]] = []
+        checks: list[_Check] = []
+        # Buffer slots sharing the tensor of an earlier slot: (module, name, first module, name).
+        buffer_ties: list[tuple[int, str, int, str]] = []
+        first_buffer: dict[int, tuple[int, str]] = {}
         for k, m in enumerate(modules):
             p_slots: list[tuple[str, int]] = []
             for name, p in m._parameters.items():
@@ -219,12 +238,24 @@ class _Plan:
                     j = seen[id(b)] = len(buffers)
                     buffers.append(b)
                     buffer_reads.append((k, name))
+                    first_buffer[id(b)] = (k, name)
+                else:
+                    buffer_ties.append((k, name, *first_buffer[id(b)]))
                 b_slots.append((name, j))
             c_slots = tuple(
                 (name, -1 if c is None else index[id(c)]) for name, c in m._modules.items()
             )
             specs.append((tuple(p_slots), tuple(b_slots), c_slots))
-            checks.append((k, len(m._parameters), len(m._buffers), tuple(m._modules.values())))
+            checks.append(
+                (
+                    tuple(m._parameters),
+                    tuple(m._parameters.values()),
+                    tuple(m._buffers),
+                    tuple(b is None for b in m._buffers.values()),
+                    tuple(m._modules),
+                    tuple(m._modules.values()),
+                )
+            )
         # The skeleton: a deep copy with every parameter and buffer replaced by None (the memo
         # makes deepcopy return None for them instead of copying their data).
         memo: dict[int, Any] = {id(t): None for t in (*params, *buffers)}
@@ -243,6 +274,7 @@ class _Plan:
             ) from error
         self.submodules = tuple(modules[1:])
         self.checks = tuple(checks)
+        self.buffer_ties = tuple(buffer_ties)
         self.param_reads = tuple(param_reads)
         self.buffer_reads = tuple(buffer_reads)
         self.structure = structure
@@ -253,19 +285,40 @@ class _Plan:
         return (root, *self.submodules)
 
     def still_valid(self, modules: tuple[nn.Module, ...]) -> bool:
-        """Cheap per-call check: same children, same slot counts, same parameter objects."""
-        for k, n_params, n_buffers, children in self.checks:
-            m = modules[k]
-            if (
-                len(m._parameters) != n_params
-                or len(m._buffers) != n_buffers
-                or len(m._modules) != len(children)
+        """Cheap per-call check that every slot the plan depends on is as it was.
+
+        Any difference (a slot added, removed, renamed or reordered, set or emptied; another
+        parameter or child object; tied buffers untied) means the structure must be sent again.
+        O(#slots) with C-level loops (``map``): this runs on every call.
+        """
+        for m, (p_names, p_objs, b_names, b_none, c_names, c_objs) in zip(
+            modules, self.checks, strict=True
+        ):
+            slots: dict[str, Any] = m._parameters
+            if (slots or p_names) and (
+                len(slots) != len(p_names)
+                or not all(map(is_, slots.values(), p_objs))
+                or tuple(slots) != p_names
             ):
                 return False
-            for child, cached in zip(m._modules.values(), children, strict=True):
-                if child is not cached:
-                    return False
-        return all(modules[k]._parameters.get(name) is p for k, name, p in self.param_reads)
+            slots = m._buffers
+            if (slots or b_names) and (
+                len(slots) != len(b_names)
+                or tuple(map(is_, slots.values(), repeat(None))) != b_none
+                or tuple(slots) != b_names
+            ):
+                return False
+            slots = m._modules
+            if (slots or c_names) and (
+                len(slots) != len(c_names)
+                or not all(map(is_, slots.values(), c_objs))
+                or tuple(slots) != c_names
+            ):
+                return False
+        for k, name, k0, name0 in self.buffer_ties:
+            if modules[k]._buffers.get(name) is not modules[k0]._buffers.get(name0):
+                return False
+        return True
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
@@ -280,13 +333,16 @@ _CONFIRMED: dict[object, dict[str, set[str]]] = {}
 def invalidate_module_cache(module: nn.Module) -> None:
     """Forget the cached structure of ``module`` (and its submodules' own entries).
 
-    Structural changes (adding, removing or replacing submodules, parameters or buffers) are
-    detected automatically; call this after changing a non-tensor attribute such as
-    ``dropout.p`` so that workers see the new value. The ``training`` flag is sent on every call
-    and needs no invalidation.
+    Structural changes (adding, removing, renaming or replacing submodules, parameters or
+    buffers, or setting one that was ``None``) are detected automatically; call this after
+    changing a non-tensor attribute such as ``dropout.p`` (or a hook) so that workers see the
+    new value. The ``training`` flag is sent on every call and needs no invalidation.
 
     Args:
         module: The caller's module.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
 
     Example:
         >>> from torch import nn
@@ -294,6 +350,8 @@ def invalidate_module_cache(module: nn.Module) -> None:
         >>> model.p = 0.5
         >>> invalidate_module_cache(model)
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"invalidate_module_cache: module must be an nn.Module, got {module!r}")
     with _PLANS_LOCK:
         for m in module.modules():
             _PLANS.pop(m, None)
@@ -684,9 +742,27 @@ def decompress_tree(tree: Any) -> Any:
 # Distributed autograd bookkeeping shared by metadist.api (writes) and metadist.autograd (reads)
 
 _LOCAL = threading.local()
-# Autograd nodes of remote results received inside each metadist context: a backward pass in
-# that context must reach all of them, or torch's distributed autograd (FAST mode) waits forever.
-_RECEIVED: dict[int, list[Any]] = {}
+
+
+class _Received:
+    """Autograd nodes of the remote results received in one metadist context.
+
+    Every backward pass in the context must reach all of them, including those received before
+    an earlier pass (torch's distributed autograd, FAST mode, waits for the gradients of every
+    remote call made in the context), so they are kept until the context closes.
+    """
+
+    __slots__ = ("freed", "nodes", "passed")
+
+    def __init__(self) -> None:
+        self.nodes: list[Any] = []
+        # nodes[:passed] were reached by a completed backward pass; nodes[:freed] by one without
+        # retain_graph, which freed their graph (on the workers too).
+        self.passed = 0
+        self.freed = 0
+
+
+_RECEIVED: dict[int, _Received] = {}
 _RECEIVED_LOCK = threading.Lock()
 
 
@@ -718,12 +794,29 @@ def _pop_context(context_id: int) -> None:
 def _record_received(context_id: int, nodes: list[Any]) -> None:
     if nodes:
         with _RECEIVED_LOCK:
-            _RECEIVED.setdefault(context_id, []).extend(nodes)
+            received = _RECEIVED.get(context_id)
+            if received is None:
+                received = _RECEIVED[context_id] = _Received()
+            received.nodes.extend(nodes)
 
 
-def _received(context_id: int) -> list[Any]:
+def _received(context_id: int) -> tuple[list[Any], int, int]:
+    """``(nodes, passed, freed)`` of the context (a snapshot; see :class:`_Received`)."""
     with _RECEIVED_LOCK:
-        return list(_RECEIVED.get(context_id, ()))
+        received = _RECEIVED.get(context_id)
+        if received is None:
+            return [], 0, 0
+        return list(received.nodes), received.passed, received.freed
+
+
+def _record_pass(context_id: int, reached: int, retain_graph: bool) -> None:
+    """Record that a pass completed, reaching the first ``reached`` nodes of the context."""
+    with _RECEIVED_LOCK:
+        received = _RECEIVED.get(context_id)
+        if received is not None:
+            received.passed = max(received.passed, reached)
+            if not retain_graph:
+                received.freed = max(received.freed, reached)
 
 
 def _grad_nodes(tree: Any) -> Iterator[Any]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -76,6 +78,23 @@ def structures_cached() -> int:
 def model_info(model: nn.Module, x: torch.Tensor) -> tuple[int, bool, torch.Tensor, str]:
     out = model(x)
     return len(list(model.modules())), model.training, out, type(model).__name__
+
+
+class Shifted(nn.Module):
+    """Adds every buffer it holds: the result shows which buffer slots the worker sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.buffers():
+            x = x + b
+        return x
+
+
+def buffer_names(model: nn.Module, x: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+    return [name for name, _ in model.named_buffers()], model(x)
 
 
 @parallelize(partitioner=dim_partitioner(0), reducer=mean_reducer)
@@ -228,6 +247,17 @@ def _api_world(rank: int, world_size: int) -> None:
     assert n_modules == 5
     assert out.shape == (6, 1)
     assert remote_sync_call(structures_cached, partitioner=1)[0] == before + 2
+    # Buffer slots: one set after a first call, then renamed (same count), reach the worker.
+    shifted = Shifted()
+    assert remote_sync_call(buffer_names, args=(shifted, x), partitioner=1)[0][0] == []
+    shifted.shift = torch.tensor(5.0)
+    names, out = remote_sync_call(buffer_names, args=(shifted, x), partitioner=1)[0]
+    assert names == ["shift"]
+    torch.testing.assert_close(out, x + 5)
+    shifted._buffers["offset"] = shifted._buffers.pop("shift")
+    assert remote_sync_call(buffer_names, args=(shifted, x), partitioner=1)[0][0] == ["offset"]
+    with pytest.raises(TypeError, match=r"module must be an nn\.Module, got None"):
+        transport.invalidate_module_cache(None)  # type: ignore[arg-type]
     # An unpicklable module fails before sending, naming the argument.
     with pytest.raises(TypeError, match=r"module argument args\[0\]"):
         remote_sync_call(model_info, args=(LocalModule(), inputs), partitioner=1)
@@ -299,6 +329,26 @@ def _tasks(seed: int, n_tasks: int) -> tuple[torch.Tensor, ...]:
         torch.randn(n_tasks, 5, 1, 6, 6, generator=g),
         torch.randint(0, 3, (n_tasks, 5), generator=g),
     )
+
+
+def _bounded(seconds: float, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a thread: a regression that hangs fails here, not at the world's timeout."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as error:  # re-raised on the calling thread
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still running after {seconds} s: it hangs"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -402,6 +452,42 @@ def _grad_world(rank: int, world_size: int) -> None:
         (c,) = remote_sync_call(scale, args=(w,), partitioner=1)
         with pytest.raises(ValueError, match="scalars only"):
             mag.backward(ctx, [c])
+
+    # A later pass in the same context must reach the results received before an earlier pass
+    # too (torch waits for them): it raises within seconds instead of hanging.
+    v = nn.Parameter(torch.tensor([4.0, 6.0]))
+    x2 = torch.tensor([3.0, 5.0])
+    with mag.context() as ctx:
+        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
+        assert _bounded(30, lambda: mag.grad(ctx, y, w))[0].tolist() == [3.0, 5.0]
+        (z,) = remote_sync_call(weighted, args=(v, x2), partitioner=2)
+        with pytest.raises(RuntimeError, match=r"not reachable.*new metadist\.autograd\.context"):
+            _bounded(30, lambda: mag.grad(ctx, z, [v]))
+        # Reaching it as well: the first pass freed its graph (torch would fail on the worker).
+        with pytest.raises(RuntimeError, match=r"freed their graph.*retain_graph=True"):
+            _bounded(30, lambda: mag.grad(ctx, y + z, [v]))
+    # With retain_graph=True on the earlier pass, a later pass that reaches both works.
+    with mag.context() as ctx:
+        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
+        _bounded(30, lambda: mag.grad(ctx, y, w, retain_graph=True))
+        (z,) = remote_sync_call(weighted, args=(v, x2), partitioner=2)
+        gw, gv = _bounded(30, lambda: mag.grad(ctx, y + 2 * z, [w, v]))
+    assert (gw.tolist(), gv.tolist()) == ([3.0, 5.0], [6.0, 10.0])
+    assert not transport._RECEIVED  # released when each context closed
+
+    # A bias added after a first call is used remotely and gets its gradient (stale cache).
+    lin = nn.Linear(2, 1, bias=False)
+    xb = torch.randn(4, 2)
+    remote_sync_call(model_info, args=(lin, xb), partitioner=1)
+    lin.bias = nn.Parameter(torch.tensor([100.0]))
+    with mag.context() as ctx:
+        out = remote_sync_call(model_info, args=(lin, xb), partitioner=1)[0][2]
+        lin_grads = mag.grad(ctx, (out * out).sum(), [lin.weight, lin.bias])
+    ref = lin(xb)
+    torch.testing.assert_close(out, ref)
+    lin_ref = torch.autograd.grad((ref * ref).sum(), [lin.weight, lin.bias])
+    for d, r in zip(lin_grads, lin_ref, strict=True):
+        torch.testing.assert_close(d, r)
 
 
 @parallelize(partitioner=dim_partitioner(0), reducer=mean_reducer)
