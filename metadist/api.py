@@ -342,6 +342,7 @@ class _Call:
         "carried",
         "compression",
         "context_id",
+        "differentiable",
         "func_name",
         "futures",
         "grad_enabled",
@@ -363,6 +364,7 @@ class _Call:
         func_name: str,
         timeout: float,
         world_token: object,
+        differentiable: list[bool],
     ) -> None:
         self.futures = futures
         self.workers = workers
@@ -373,6 +375,7 @@ class _Call:
         self.func_name = func_name
         self.timeout = timeout
         self.world_token = world_token
+        self.differentiable = differentiable
         self.context_id = transport.current_context()
         self.grad_enabled = torch.is_grad_enabled()
 
@@ -381,6 +384,7 @@ class _Call:
         values: list[Any] = []
         errors: list[BaseException] = []
         nodes: list[Any] = []
+        dangling: list[str] = []
         count = len(self.futures)
         world._wait_done(self.futures)
         for index, future in enumerate(self.futures):
@@ -400,10 +404,13 @@ class _Call:
             if self.carried[index]:
                 transport.mark_structure_confirmed(self.world_token, worker, self.carried[index])
             if self.context_id is not None:
-                nodes.extend(transport._grad_nodes(value))
+                found = list(transport._grad_nodes(value))
+                if not found and self.differentiable[index]:
+                    dangling.append(f"{self.func_name} (partition {index} on {worker!r})")
+                nodes.extend(found)
             values.append(value)
         if self.context_id is not None:
-            transport._record_received(self.context_id, nodes)
+            transport._record_received(self.context_id, nodes, dangling)
         if errors:
             first = errors[0]
             if len(errors) > 1:
@@ -471,6 +478,10 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
 
     # Encode every partition before sending anything, so that bad input fails with no RPC sent.
     world_token = world.world_token()
+    # RPC attaches these partitions to the distributed autograd context: their results must
+    # come back differentiable, or no backward pass in the context can finish (checked there).
+    in_context = transport.current_context() is not None
+    differentiable = [in_context and transport.sends_grad(a, k) for _, a, k in parts]
     memo = transport.CallMemo()
     encoded = [
         transport.encode(p_args, p_kwargs, world=world_token, worker=name, dtype=dtype, memo=memo)
@@ -499,6 +510,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
         getattr(func, "__qualname__", None) or type(func).__name__,
         rpc_timeout,
         world_token,
+        differentiable,
     )
 
 

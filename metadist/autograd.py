@@ -158,6 +158,16 @@ def check_context(context_id: int, api: str) -> None:
 
 def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> int:
     """Raise unless this pass can complete; return how many received nodes it reaches."""
+    dangling = transport._dangling(context_id)
+    if dangling:
+        raise RuntimeError(
+            f"{len(dangling)} remote call(s) in distributed autograd context {context_id} were "
+            f"sent tensors that require grad but returned nothing that requires grad: "
+            f"{', '.join(dangling)}. torch's distributed autograd would wait forever for "
+            f"their gradients in every backward pass of this context. Make such calls "
+            f"(metrics, evaluation) under torch.no_grad() or outside the context, or return a "
+            f"result computed from the differentiable arguments"
+        )
     nodes, passed, freed = transport._received(context_id)
     if not nodes:
         return 0

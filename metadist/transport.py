@@ -31,7 +31,7 @@ import pickle
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 from operator import is_
 from typing import Any
@@ -60,6 +60,7 @@ __all__ = [
     "invalidate_module_cache",
     "mark_structure_confirmed",
     "resolve_compression",
+    "sends_grad",
 ]
 
 #: How many module structures a worker keeps (least recently used are evicted).
@@ -752,10 +753,13 @@ class _Received:
     remote call made in the context), so they are kept until the context closes.
     """
 
-    __slots__ = ("freed", "nodes", "passed")
+    __slots__ = ("dangling", "freed", "nodes", "passed")
 
     def __init__(self) -> None:
         self.nodes: list[Any] = []
+        # Functions of calls that were sent tensors requiring grad but returned nothing
+        # differentiable: the workers' half of their graph can never be reached.
+        self.dangling: list[str] = []
         # nodes[:passed] were reached by a completed backward pass; nodes[:freed] by one without
         # retain_graph, which freed their graph (on the workers too).
         self.passed = 0
@@ -791,13 +795,42 @@ def _pop_context(context_id: int) -> None:
         _RECEIVED.pop(context_id, None)
 
 
-def _record_received(context_id: int, nodes: list[Any]) -> None:
-    if nodes:
+def _record_received(context_id: int, nodes: list[Any], dangling: Sequence[str] = ()) -> None:
+    if nodes or dangling:
         with _RECEIVED_LOCK:
             received = _RECEIVED.get(context_id)
             if received is None:
                 received = _RECEIVED[context_id] = _Received()
             received.nodes.extend(nodes)
+            received.dangling.extend(dangling)
+
+
+def _dangling(context_id: int) -> list[str]:
+    """Functions whose calls in the context can never receive their gradients."""
+    with _RECEIVED_LOCK:
+        received = _RECEIVED.get(context_id)
+        return [] if received is None else list(received.dangling)
+
+
+def sends_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether RPC would attach these arguments to distributed autograd.
+
+    True when grad mode is on and a tensor (or a module's parameter) among them requires grad.
+
+    Example:
+        >>> import torch
+        >>> sends_grad((torch.ones(1, requires_grad=True),), {})
+        True
+    """
+    if not torch.is_grad_enabled():
+        return False
+    leaves, _ = tree_flatten((args, kwargs))
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return True
+        if isinstance(leaf, nn.Module) and any(p.requires_grad for p in leaf.parameters()):
+            return True
+    return False
 
 
 def _received(context_id: int) -> tuple[list[Any], int, int]:

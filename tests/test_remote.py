@@ -67,6 +67,10 @@ def weighted(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (w * x).sum()
 
 
+def count_elements(x: torch.Tensor) -> int:
+    return int(x.numel())  # nothing differentiable comes back
+
+
 def scale(x: torch.Tensor) -> torch.Tensor:
     return x * 1.001
 
@@ -473,6 +477,19 @@ def _grad_world(rank: int, world_size: int) -> None:
         (z,) = remote_sync_call(weighted, args=(v, x2), partitioner=2)
         gw, gv = _bounded(30, lambda: mag.grad(ctx, y + 2 * z, [w, v]))
     assert (gw.tolist(), gv.tolist()) == ([3.0, 5.0], [6.0, 10.0])
+
+    # A call sent tensors that require grad but returning nothing differentiable (a metric):
+    # torch would wait for its gradients forever; metadist names it. Under no_grad it is fine.
+    with mag.context() as ctx:
+        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
+        assert remote_sync_call(count_elements, args=(w,), partitioner=2) == [2]
+        with pytest.raises(RuntimeError, match=r"count_elements \(partition 0 on 'worker2'\)"):
+            _bounded(30, lambda: mag.grad(ctx, y, w))
+    with mag.context() as ctx:
+        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
+        with torch.no_grad():
+            assert remote_sync_call(count_elements, args=(w,), partitioner=2) == [2]
+        assert _bounded(30, lambda: mag.grad(ctx, y, w))[0].tolist() == [3.0, 5.0]
     assert not transport._RECEIVED  # released when each context closed
 
     # A bias added after a first call is used remotely and gets its gradient (stale cache).
