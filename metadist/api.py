@@ -309,8 +309,9 @@ def _partitions(
         try:
             sizes = PartitionResults([None] * len(parts), sizes).sizes
         except (TypeError, ValueError) as error:
-            raise ValueError(
-                f"partitioner {name} returned {len(parts)} partitions: {error}"
+            message = str(error).replace("PartitionResults: sizes", "Partitions.sizes")
+            raise type(error)(
+                f"partitioner {name} returned {len(parts)} partitions: {message}"
             ) from None
     return parts, sizes
 
@@ -405,7 +406,11 @@ class _Call:
                 transport.mark_structure_confirmed(self.world_token, worker, self.carried[index])
             if self.context_id is not None:
                 found = list(transport._grad_nodes(value))
-                if not found and self.differentiable[index]:
+                if (
+                    not found
+                    and self.differentiable[index]
+                    and transport._surely_not_differentiable(value)
+                ):
                     dangling.append(f"{self.func_name} (partition {index} on {worker!r})")
                 nodes.extend(found)
             values.append(value)

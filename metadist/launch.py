@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import ipaddress
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import ParamSpec, Protocol, TypeVar, cast
 
@@ -56,8 +58,8 @@ def auto_init_rpc(
     Single-node jobs listen on loopback only: no torchrun, a loopback ``MASTER_ADDR``, or
     ``LOCAL_WORLD_SIZE == WORLD_SIZE`` (as torchrun sets it on one node), whatever
     ``MASTER_ADDR`` resolves to. Otherwise RPC listens on the interface that routes to
-    ``MASTER_ADDR``, unless ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` are set (user-set
-    values always win).
+    ``MASTER_ADDR``. ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` you set always win; each
+    worker logs once the interface and address when they are not loopback.
 
     Args:
         worker_init_fn: Called on every worker after RPC starts and before the function (seed,
@@ -179,30 +181,46 @@ def _plan(info: WorldInfo, timeout: float) -> tuple[network.Binding, str]:
         # often resolves to a LAN address, and RPC must not listen there.
         binding = network.choose_binding("127.0.0.1")
     else:
-        binding = network.user_binding() or network.choose_binding(
-            master_addr, multi_node=info.local_world_size < info.world_size
-        )
+        try:
+            binding = network.choose_binding(
+                master_addr, multi_node=info.local_world_size < info.world_size
+            )
+        except ValueError:
+            # Interfaces the user chose are used as given: no need for metadist's own choice.
+            user = network.user_binding()
+            if user is None:
+                raise
+            binding = user
+    _log_interface(info, binding, master_addr)
     if binding.loopback and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # torch's rendezvous adds rank and world_size to the query itself.
         return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"
-    if not binding.loopback:
-        # A user-set TP_SOCKET_IFNAME wins over metadist's choice: name what is really used.
-        ifname = os.environ.get("TP_SOCKET_IFNAME") or binding.ifname
-        address = binding.address if ifname == binding.ifname else network._ipv4_of(ifname)
-        why = (
-            "set by TP_SOCKET_IFNAME"
-            if os.environ.get("TP_SOCKET_IFNAME")
-            else f"chosen to reach MASTER_ADDR={master_addr}"
-        )
-        logger.warning(
-            "metadist: worker %d listens for RPC on interface %s (%s), %s; RPC is "
-            "unauthenticated: run only on trusted networks",
-            info.world_rank,
-            ifname,
-            address or "no IPv4 address",
-            why,
-        )
     return binding, "env://"
+
+
+def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) -> None:
+    """Say once when RPC will listen beyond loopback, naming the interface really used."""
+    # A user-set TP_SOCKET_IFNAME wins over metadist's choice (see network.socket_ifname_env).
+    ifname = os.environ.get("TP_SOCKET_IFNAME") or binding.ifname
+    address = binding.address if ifname == binding.ifname else network._ipv4_of(ifname)
+    try:
+        if address is not None and ipaddress.ip_address(address).is_loopback:
+            return
+    except ValueError:  # an interface without an IPv4 address
+        address = None
+    why = (
+        "set by TP_SOCKET_IFNAME"
+        if os.environ.get("TP_SOCKET_IFNAME")
+        else f"chosen to reach MASTER_ADDR={master_addr}"
+    )
+    logger.warning(
+        "metadist: worker %d listens for RPC on interface %s (%s), %s; RPC is "
+        "unauthenticated: run only on trusted networks",
+        info.world_rank,
+        ifname,
+        address or "no IPv4 address",
+        why,
+    )
 
 
 def _run_in_world(
@@ -252,7 +270,11 @@ def _run_in_world(
         _abort()
         raise
     except BaseException:
-        _shutdown(name, shutdown_timeout, raise_errors=False)
+        # Ctrl-C while shutting down after a failure (waiting for the other workers).
+        try:
+            _shutdown(name, shutdown_timeout, raise_errors=False)
+        except KeyboardInterrupt:
+            _abort()
         raise
     try:
         _shutdown(name, shutdown_timeout, raise_errors=True)
@@ -260,6 +282,10 @@ def _run_in_world(
         _abort()
         raise
     return result
+
+
+# The shutdown thread started last: torch's shutdown must never run twice at once.
+_SHUTDOWN_THREAD: list[threading.Thread] = []
 
 
 def _bounded_shutdown(grace: float, *, graceful: bool) -> bool:
@@ -276,7 +302,9 @@ def _bounded_shutdown(grace: float, *, graceful: bool) -> bool:
         finally:
             finished.set()
 
-    threading.Thread(target=run, name="metadist-shutdown", daemon=True).start()
+    thread = threading.Thread(target=run, name="metadist-shutdown", daemon=True)
+    _SHUTDOWN_THREAD[:] = [thread]
+    thread.start()
     if not finished.wait(grace):
         return False
     if errors:
@@ -288,11 +316,23 @@ def _abort() -> None:
     """Ctrl-C (torchrun forwards SIGINT to every worker): the user wants the job gone now.
 
     Tear RPC down locally instead of waiting for the other workers or for calls in flight;
-    peers still waiting on this worker see it as dead and stop too.
+    peers still waiting on this worker see it as dead and stop too. A shutdown already running
+    (Ctrl-C during the graceful one) is given the time instead of starting a second one.
     """
     world._deactivate()
-    with contextlib.suppress(Exception):
-        _bounded_shutdown(ABORT_GRACE, graceful=False)
+    deadline = time.monotonic() + ABORT_GRACE
+    running = [t for t in _SHUTDOWN_THREAD if t.is_alive()]
+    if not running:
+        with contextlib.suppress(Exception, KeyboardInterrupt):
+            _bounded_shutdown(ABORT_GRACE, graceful=False)
+        running = [t for t in _SHUTDOWN_THREAD if t.is_alive()]
+    # A second Ctrl-C (the terminal's and torchrun's) must not cut the teardown short.
+    while running and (left := deadline - time.monotonic()) > 0:
+        try:
+            running[0].join(left)
+        except KeyboardInterrupt:
+            continue
+        running = [t for t in running if t.is_alive()]
 
 
 def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:

@@ -9,6 +9,7 @@ by leaf.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,13 +53,14 @@ class PartitionResults(list[Any]):
         if sizes is None:
             self.sizes: tuple[int, ...] | None = None
             return
-        if not isinstance(sizes, Sequence) or isinstance(sizes, (str, bytes)):
+        if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
             raise TypeError(
                 f"PartitionResults: sizes must be a sequence of ints or None, got {sizes!r}"
             )
-        checked = tuple(sizes)
-        if any(isinstance(s, bool) or not isinstance(s, int) for s in checked):
-            raise TypeError(f"PartitionResults: sizes must hold ints, got {checked!r}")
+        try:  # numpy and 0-dim tensor integers are fine, floats and bools are not
+            checked = tuple(_as_size(s) for s in sizes)
+        except TypeError:
+            raise TypeError(f"PartitionResults: sizes must hold ints, got {sizes!r}") from None
         if len(checked) != len(self):
             raise ValueError(
                 f"PartitionResults: sizes={checked!r} must give one size per result "
@@ -67,6 +69,12 @@ class PartitionResults(list[Any]):
         if any(s < 1 for s in checked):
             raise ValueError(f"PartitionResults: sizes={checked!r} must all be >= 1")
         self.sizes = checked
+
+
+def _as_size(size: Any) -> int:
+    if isinstance(size, bool):
+        raise TypeError("a bool is not a size")
+    return operator.index(size)
 
 
 def _leafwise(

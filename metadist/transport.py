@@ -207,7 +207,10 @@ class _Plan:
         index = {id(m): i for i, m in enumerate(modules)}
         params: list[torch.Tensor] = []
         buffers: list[torch.Tensor] = []
+        # Indices into params / buffers by tensor id; separate, since a parameter may also be
+        # registered as a buffer (an index into one list means nothing in the other).
         seen: dict[int, int] = {}
+        seen_buffers: dict[int, int] = {}
         # Modules are referred to by index into `modules`: the plan must not hold the root
         # module strongly (it is the value of a weak-keyed cache entry for that very module).
         param_reads: list[tuple[int, str, torch.Tensor]] = []
@@ -234,9 +237,9 @@ class _Plan:
                 if b is None:
                     b_slots.append((name, -1))
                     continue
-                j = seen.get(id(b))
+                j = seen_buffers.get(id(b))
                 if j is None:
-                    j = seen[id(b)] = len(buffers)
+                    j = seen_buffers[id(b)] = len(buffers)
                     buffers.append(b)
                     buffer_reads.append((k, name))
                     first_buffer[id(b)] = (k, name)
@@ -815,7 +818,13 @@ def _dangling(context_id: int) -> list[str]:
 def sends_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether RPC would attach these arguments to distributed autograd.
 
-    True when grad mode is on and a tensor (or a module's parameter) among them requires grad.
+    Args:
+        args: Positional arguments of one partition.
+        kwargs: Keyword arguments of one partition.
+
+    Returns:
+        True when grad mode is on and a tensor (or a module's parameter) among them requires
+        grad.
 
     Example:
         >>> import torch
@@ -859,3 +868,23 @@ def _grad_nodes(tree: Any) -> Iterator[Any]:
             yield leaf.grad_fn
         elif isinstance(leaf, _Compressed) and leaf.tensor.grad_fn is not None:
             yield leaf.tensor.grad_fn
+
+
+_PLAIN = (torch.Tensor, _Compressed, int, float, complex, str, bytes, type(None))
+
+
+def _surely_not_differentiable(tree: Any) -> bool:
+    """True only if no leaf of ``tree`` can hide a tensor that requires grad.
+
+    A leaf pytree cannot look into (a dataclass, a custom result class) might hold one, so it
+    makes the answer False: a false alarm would break correct code.
+    """
+    leaves, _ = tree_flatten(tree)
+    for leaf in leaves:
+        if not isinstance(leaf, _PLAIN):
+            return False
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return False
+        if isinstance(leaf, _Compressed) and leaf.tensor.requires_grad:
+            return False
+    return True

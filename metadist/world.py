@@ -8,6 +8,7 @@ table gathered from every worker) is the source of truth.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
@@ -207,7 +208,12 @@ def _wait_done(futures: Iterable[Future[Any]]) -> None:
     ``put`` is a C function that the future can call directly (cheaper than a Python callback).
     """
     pending = [future for future in futures if not future.done()]
-    if not pending:
+    if not pending or threading.current_thread() is not threading.main_thread():
+        # Only the main thread receives signals: elsewhere torch's own wait is cheaper. Errors
+        # are for the caller to read from each future afterwards.
+        for future in pending:
+            with contextlib.suppress(Exception):
+                future.wait()
         return
     arrivals: queue.SimpleQueue[Any] = queue.SimpleQueue()
     for future in pending:

@@ -559,7 +559,7 @@ REMOTE_ROWS = [
         "partitioner sizes",
         lambda fx: _call(fx, partitioner=_part_bad_sizes),
         ValueError,
-        r"partitioner _part_bad_sizes returned 2 partitions: .*sizes=\(3,\) must give one size",
+        r"_part_bad_sizes returned 2 partitions: Partitions.sizes=\(3,\) must give one size",
     ),
     # A reducer runs on the caller once every partition is back: requests did go out.
     Row(

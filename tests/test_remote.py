@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -69,6 +70,17 @@ def weighted(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def count_elements(x: torch.Tensor) -> int:
     return int(x.numel())  # nothing differentiable comes back
+
+
+@dataclass
+class Doubled:
+    """A result class pytree cannot look into."""
+
+    total: torch.Tensor
+
+
+def doubled(x: torch.Tensor) -> Doubled:
+    return Doubled((x * 2).sum())
 
 
 def scale(x: torch.Tensor) -> torch.Tensor:
@@ -490,6 +502,10 @@ def _grad_world(rank: int, world_size: int) -> None:
         with torch.no_grad():
             assert remote_sync_call(count_elements, args=(w,), partitioner=2) == [2]
         assert _bounded(30, lambda: mag.grad(ctx, y, w))[0].tolist() == [3.0, 5.0]
+    # A differentiable tensor inside a result class is not mistaken for a dangling call.
+    with mag.context() as ctx:
+        (d,) = remote_sync_call(doubled, args=(w,), partitioner=2)
+        assert _bounded(30, lambda: mag.grad(ctx, d.total, w))[0].tolist() == [2.0, 2.0]
     assert not transport._RECEIVED  # released when each context closed
 
     # A bias added after a first call is used remotely and gets its gradient (stale cache).

@@ -324,20 +324,26 @@ class _LocalOptimizer:
                 raise ValueError(
                     f"state for {len(states)} parameters sent to an owner of {len(self.params)}"
                 )
+            # Convert everything first: a bad state must leave this owner as it was.
+            if self._torch_optim is not None:
+                copies = {
+                    p: {k: _copy(v) for k, v in s.items()}
+                    for p, s in zip(self.params, states, strict=True)
+                    if s
+                }
+            else:
+                new: dict[Tensor, dict[str, Tensor]] = {}
+                for p, s in zip(self.params, states, strict=True):
+                    if s:
+                        new[p] = {k: _as_state_tensor(v, p) for k, v in s.items()}
             # A load starts a fresh accumulation window on every path (the caller resets its
             # pass count), so gradients accumulated before it are never applied after it.
             self.accum = None
             self.staged.clear()
             if self._torch_optim is not None:
                 self._torch_optim.state.clear()
-                for p, s in zip(self.params, states, strict=True):
-                    if s:
-                        self._torch_optim.state[p] = {k: _copy(v) for k, v in s.items()}
+                self._torch_optim.state.update(copies)
                 return
-            new: dict[Tensor, dict[str, Tensor]] = {}
-            for p, s in zip(self.params, states, strict=True):
-                if s:
-                    new[p] = {k: _as_state_tensor(v, p) for k, v in s.items()}
             if self._scripted is not None:
                 self._scripted.set_state(new)
             else:

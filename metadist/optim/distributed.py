@@ -721,7 +721,8 @@ def _passed_names(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
         bound = signature.bind_partial(None, None, *args, **kwargs)
     except (TypeError, ValueError):
         return set(kwargs)
-    return set(bound.arguments)
+    # Keywords land under **kwargs' own name when the class takes **kwargs: count them too.
+    return set(bound.arguments) | set(kwargs)
 
 
 def _wait_all(futures: Mapping[str, Future[Any]]) -> dict[str, Any]:
