@@ -26,11 +26,13 @@ import torch
 import torch.nn.functional as F
 from data import DigitsDataset, GlyphDataset, sample_fewshot
 from metalearn import (
+    add_training_args,
     configure_threads,
     load_checkpoint,
     meta_objective,
     plot_learning_curve,
     save_checkpoint,
+    training_summary,
 )
 from models import ConvNet
 from torch import Tensor, nn
@@ -44,25 +46,20 @@ __all__ = ["evaluate", "main", "meta_loss", "parse_args", "task_accuracy", "trai
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (defaults: 5-way 1-shot with a short schedule)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_training_args(
+        p,
+        steps=300,
+        tasks=8,
+        inner_lr=0.4,
+        eval_tasks=200,
+        out="runs/fewshot",
+        eval_help="meta-test episodes",
+    )
     p.add_argument("--dataset", choices=("glyphs", "digits"), default="glyphs")
-    p.add_argument("--steps", type=int, default=300, help="meta-steps (total, also on resume)")
-    p.add_argument("--tasks", type=int, default=8, help="tasks per meta-batch")
     p.add_argument("--ways", type=int, default=5, help="N: classes per task")
     p.add_argument("--shots", type=int, default=1, help="K: support images per class")
     p.add_argument("--query", type=int, default=5, help="query images per class")
-    p.add_argument("--inner-steps", type=int, default=1, help="adaptation steps in training")
     p.add_argument("--test-inner-steps", type=int, default=3, help="adaptation steps at test")
-    p.add_argument("--inner-lr", type=float, default=0.4, help="alpha, the inner learning rate")
-    p.add_argument("--meta-lr", type=float, default=1e-3, help="Adam learning rate")
-    p.add_argument("--first-order", action="store_true", help="FOMAML: drop second-order terms")
-    p.add_argument("--eval-tasks", type=int, default=200, help="meta-test episodes")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("runs/fewshot"), help="output directory")
-    p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from")
-    p.add_argument(
-        "--save-every", type=int, default=0, help="also keep checkpoint-<step>.pt every N steps"
-    )
-    p.add_argument("--no-eval", action="store_true", help="skip the final meta-test")
     return p.parse_args(argv)
 
 
@@ -232,18 +229,8 @@ def train(args: argparse.Namespace) -> None:
             f" {world} worker(s)"
         ),
     )
-    curve = history["query loss"]
-    n = max(1, min(20, len(curve)))
-    summary: dict[str, object] = {
-        "steps": args.steps,
-        "workers": world,
-        "seconds": elapsed,
-        "first_loss": float(np.mean(curve[:n])),
-        "last_loss": float(np.mean(curve[-n:])),
-    }
-    print(
-        f"meta-train query loss: first {n} steps {summary['first_loss']:.3f}, "
-        f"last {n} steps {summary['last_loss']:.3f}  ({elapsed:.1f} s)"
+    summary = training_summary(
+        history["query loss"], steps=args.steps, workers=world, seconds=elapsed, name="query loss"
     )
     print(f"wrote {ckpt} and {args.out / 'learning_curve.png'}")
     if not args.no_eval:

@@ -9,6 +9,7 @@ with respect to the meta-parameters (second-order MAML) without ``create_graph``
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -23,12 +24,14 @@ from torch.func import functional_call, grad, vmap
 __all__ = [
     "LossFn",
     "adapt",
+    "add_training_args",
     "configure_threads",
     "load_checkpoint",
     "meta_objective",
     "plot_learning_curve",
     "save_checkpoint",
     "task_objective",
+    "training_summary",
 ]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -376,3 +379,64 @@ def plot_learning_curve(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def add_training_args(
+    parser: argparse.ArgumentParser,
+    *,
+    steps: int,
+    tasks: int,
+    inner_lr: float,
+    eval_tasks: int,
+    out: str,
+    eval_help: str,
+) -> None:
+    """Add the options every MAML example shares, with that example's defaults.
+
+    Example:
+        >>> p = argparse.ArgumentParser()
+        >>> add_training_args(p, steps=10, tasks=4, inner_lr=0.1, eval_tasks=5, out="o",
+        ...                   eval_help="held-out tasks")
+        >>> p.parse_args([]).steps
+        10
+    """
+    p = parser
+    p.add_argument("--steps", type=int, default=steps, help="meta-steps (total, also on resume)")
+    p.add_argument("--tasks", type=int, default=tasks, help="tasks per meta-batch")
+    p.add_argument("--inner-steps", type=int, default=1, help="adaptation steps in training")
+    p.add_argument("--inner-lr", type=float, default=inner_lr, help="alpha, inner learning rate")
+    p.add_argument("--meta-lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--first-order", action="store_true", help="FOMAML: drop second-order terms")
+    p.add_argument("--eval-tasks", type=int, default=eval_tasks, help=eval_help)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path(out), help="output directory")
+    p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from")
+    p.add_argument(
+        "--save-every", type=int, default=0, help="also keep checkpoint-<step>.pt every N steps"
+    )
+    p.add_argument("--no-eval", action="store_true", help="skip the final evaluation")
+
+
+def training_summary(
+    curve: Sequence[float], *, steps: int, workers: int, seconds: float, name: str
+) -> dict[str, object]:
+    """Summarize a meta-training curve (mean of its first and last 20 steps) and print it.
+
+    Example:
+        >>> training_summary([2.0, 1.0], steps=2, workers=1, seconds=0.5, name="loss")["last_loss"]
+        meta-train loss: first 2 steps 1.500, last 2 steps 1.500  (0.5 s)
+        1.5
+    """
+    n = max(1, min(20, len(curve)))
+    summary: dict[str, object] = {
+        "steps": steps,
+        "workers": workers,
+        "seconds": seconds,
+        "first_loss": float(np.mean(curve[:n])),
+        "last_loss": float(np.mean(curve[-n:])),
+    }
+    print(
+        f"meta-train {name}: first {n} steps {summary['first_loss']:.3f}, "
+        f"last {n} steps {summary['last_loss']:.3f}  ({seconds:.1f} s)"
+    )
+    return summary

@@ -30,11 +30,13 @@ import torch.nn.functional as F
 from data import sample_sinusoid
 from metalearn import (
     adapt,
+    add_training_args,
     configure_threads,
     load_checkpoint,
     meta_objective,
     plot_learning_curve,
     save_checkpoint,
+    training_summary,
 )
 from models import SineMLP
 from torch import Tensor, nn
@@ -48,21 +50,16 @@ __all__ = ["evaluate", "main", "meta_loss", "parse_args", "pretrain_baseline", "
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (defaults: Finn et al.'s setup with a short schedule)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8000, help="meta-steps (total, also on resume)")
-    p.add_argument("--tasks", type=int, default=25, help="tasks per meta-batch")
-    p.add_argument("--shots", type=int, default=10, help="K: support (and query) points per task")
-    p.add_argument("--inner-steps", type=int, default=1, help="SGD steps of adaptation in training")
-    p.add_argument("--inner-lr", type=float, default=0.01, help="alpha, the inner learning rate")
-    p.add_argument("--meta-lr", type=float, default=1e-3, help="Adam learning rate")
-    p.add_argument("--first-order", action="store_true", help="FOMAML: drop second-order terms")
-    p.add_argument("--eval-tasks", type=int, default=500, help="held-out tasks for evaluation")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("runs/sinusoid"), help="output directory")
-    p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from")
-    p.add_argument(
-        "--save-every", type=int, default=0, help="also keep checkpoint-<step>.pt every N steps"
+    add_training_args(
+        p,
+        steps=8000,
+        tasks=25,
+        inner_lr=0.01,
+        eval_tasks=500,
+        out="runs/sinusoid",
+        eval_help="held-out tasks for evaluation",
     )
-    p.add_argument("--no-eval", action="store_true", help="skip the final evaluation")
+    p.add_argument("--shots", type=int, default=10, help="K: support (and query) points per task")
     return p.parse_args(argv)
 
 
@@ -191,18 +188,8 @@ def train(args: argparse.Namespace) -> None:
         title=f"MAML sinusoid, {args.tasks} tasks/step, {world} worker(s)",
         log_y=("query MSE",),
     )
-    curve = history["query MSE"]
-    n = max(1, min(20, len(curve)))
-    summary: dict[str, object] = {
-        "steps": args.steps,
-        "workers": world,
-        "seconds": elapsed,
-        "first_loss": float(np.mean(curve[:n])),
-        "last_loss": float(np.mean(curve[-n:])),
-    }
-    print(
-        f"meta-train query MSE: first {n} steps {summary['first_loss']:.3f}, "
-        f"last {n} steps {summary['last_loss']:.3f}  ({elapsed:.1f} s)"
+    summary = training_summary(
+        history["query MSE"], steps=args.steps, workers=world, seconds=elapsed, name="query MSE"
     )
     print(f"wrote {ckpt} and {args.out / 'learning_curve.png'}")
     if not args.no_eval:

@@ -38,6 +38,15 @@ from torch.optim.sgd import sgd as _sgd
 
 from metadist.optim.qhm import qhm
 
+
+def _check_gradients(num_params: int, num_gradients: int) -> None:
+    # A free function: TorchScript compiles it with each class that calls it.
+    if num_params != num_gradients:
+        raise ValueError(
+            f"gradients has {num_gradients} entries, expected one per parameter ({num_params})"
+        )
+
+
 __all__ = [
     "FunctionalAdadelta",
     "FunctionalAdagrad",
@@ -123,11 +132,7 @@ class FunctionalSGD:
             >>> q  # no gradient: left as it was
             tensor([1., 1.])
         """
-        if len(self.params) != len(gradients):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        _check_gradients(len(self.params), len(gradients))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         bufs: list[Tensor | None] = []
@@ -252,11 +257,7 @@ class FunctionalAdam:
             >>> q  # no gradient: left as it was
             tensor([1., 1.])
         """
-        if len(self.params) != len(gradients):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        _check_gradients(len(self.params), len(gradients))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         exp_avgs: list[Tensor] = []
@@ -392,11 +393,7 @@ class FunctionalAdamW:
             >>> q  # no gradient: left as it was
             tensor([1., 1.])
         """
-        if len(self.params) != len(gradients):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        _check_gradients(len(self.params), len(gradients))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         exp_avgs: list[Tensor] = []
@@ -543,11 +540,7 @@ class FunctionalAdagrad:
             >>> q  # no gradient: left as it was
             tensor([1., 1.])
         """
-        if len(self.params) != len(gradients):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        _check_gradients(len(self.params), len(gradients))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         sums: list[Tensor] = []
@@ -662,11 +655,7 @@ class FunctionalRMSprop:
             >>> q  # no gradient: left as it was
             tensor([1., 1.])
         """
-        if len(self.params) != len(gradients):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        _check_gradients(len(self.params), len(gradients))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         square_avgs: list[Tensor] = []
@@ -794,11 +783,7 @@ class FunctionalAdamax:
             >>> q  # no gradient: left as it was
             tensor([1., 1.])
         """
-        if len(self.params) != len(gradients):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        _check_gradients(len(self.params), len(gradients))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         exp_avgs: list[Tensor] = []
@@ -905,11 +890,7 @@ class FunctionalAdadelta:
             >>> q  # no gradient: left as it was
             tensor([1., 1.])
         """
-        if len(self.params) != len(gradients):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        _check_gradients(len(self.params), len(gradients))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         square_avgs: list[Tensor] = []
@@ -1016,11 +997,7 @@ class FunctionalRprop:
             >>> q  # no gradient: left as it was
             tensor([1., 1.])
         """
-        if len(self.params) != len(gradients):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        _check_gradients(len(self.params), len(gradients))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         prevs: list[Tensor] = []
@@ -1133,11 +1110,7 @@ class FunctionalQHM:
             >>> q  # no gradient: left as it was
             tensor([1., 1.])
         """
-        if len(self.params) != len(gradients):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        _check_gradients(len(self.params), len(gradients))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         bufs: list[Tensor] = []
