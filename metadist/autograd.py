@@ -223,14 +223,30 @@ def _snapshot(context_id: int, only: list[torch.Tensor] | None) -> dict[torch.Te
     return {t: grads[t].clone() for t in only if t in grads}
 
 
-def _run(
-    context_id: int, roots: list[torch.Tensor], retain_graph: bool, reached: int
-) -> dict[Any, Any]:
+def _pass(
+    context_id: int,
+    roots: list[torch.Tensor],
+    targets: list[torch.Tensor] | None,
+    retain_graph: bool,
+) -> dict[torch.Tensor, torch.Tensor]:
+    """Run one backward pass; return its own gradient of each leaf reached (among ``targets``).
+
+    The context's map accumulates over passes, so this pass's share is ``after - before``.
+    """
+    reached = _check_reachable(context_id, roots)
+    before = _snapshot(context_id, targets)
     _dist_backward(context_id, roots, retain_graph=retain_graph)
     # The received nodes stay until the context closes: later passes must reach them too.
     transport._record_pass(context_id, reached, retain_graph)
-    grads: dict[Any, Any] = _dist_get_gradients(context_id)
-    return grads
+    after: dict[torch.Tensor, torch.Tensor] = _dist_get_gradients(context_id)
+    deltas: dict[torch.Tensor, torch.Tensor] = {}
+    with torch.no_grad():
+        for t in after if targets is None else targets:
+            total = after.get(t)
+            if total is not None:
+                previous = before.get(t)
+                deltas[t] = total - previous if previous is not None else total.clone()
+    return deltas
 
 
 def backward(
@@ -273,16 +289,8 @@ def backward(
     check_context(context_id, "metadist.autograd.backward")
     roots = _roots(tensors, "tensors")
     targets = None if inputs is None else _leaves(inputs, "inputs")
-    reached = _check_reachable(context_id, roots)
-    before = _snapshot(context_id, targets)
-    after = _run(context_id, roots, retain_graph, reached)
     with torch.no_grad():
-        for t in after if targets is None else targets:
-            total = after.get(t)
-            if total is None:
-                continue
-            previous = before.get(t)
-            delta = total - previous if previous is not None else total.clone()
+        for t, delta in _pass(context_id, roots, targets, retain_graph).items():
             if t.grad is None:
                 t.grad = delta
             else:
@@ -335,24 +343,14 @@ def grad(
     check_context(context_id, "metadist.autograd.grad")
     roots = _roots(outputs, "outputs")
     targets = _leaves(inputs, "inputs")
-    reached = _check_reachable(context_id, roots)
-    before = _snapshot(context_id, targets)
-    after = _run(context_id, roots, retain_graph, reached)
-    result: list[torch.Tensor | None] = []
-    with torch.no_grad():
-        for i, t in enumerate(targets):
-            total = after.get(t)
-            if total is None:
-                if not allow_unused:
-                    raise RuntimeError(
-                        f"inputs[{i}] was not reached by this backward pass (it was not used to "
-                        f"compute the outputs); pass allow_unused=True to get None for it"
-                    )
-                result.append(None)
-                continue
-            previous = before.get(t)
-            result.append(total - previous if previous is not None else total.clone())
-    return tuple(result)
+    deltas = _pass(context_id, roots, targets, retain_graph)
+    for i, t in enumerate(targets):
+        if t not in deltas and not allow_unused:
+            raise RuntimeError(
+                f"inputs[{i}] was not reached by this backward pass (it was not used to "
+                f"compute the outputs); pass allow_unused=True to get None for it"
+            )
+    return tuple(deltas.get(t) for t in targets)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
