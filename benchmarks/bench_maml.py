@@ -71,6 +71,22 @@ def flat_grad(net: nn.Module) -> Tensor:
     return torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None])
 
 
+def reference_meta_grad(net: nn.Module, b: FewShotBatch) -> Tensor:
+    """(a)'s meta-gradient at the current parameters (left in ``.grad``), as one vector."""
+    meta_objective(
+        net,
+        b.x_spt,
+        b.y_spt,
+        b.x_qry,
+        b.y_qry,
+        F.cross_entropy,
+        steps=INNER_STEPS,
+        lr=INNER_LR,
+        vectorize=False,
+    )[0].backward()
+    return flat_grad(net).clone()
+
+
 def time_steps(step: Callable[[], None], repeats: int, warmup: int) -> list[float]:
     """Wall time of ``repeats`` calls of ``step`` after ``warmup`` untimed ones."""
     for _ in range(warmup):
@@ -147,18 +163,7 @@ def role_metadist(args: argparse.Namespace) -> None:
         net, b = workload()
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)
         # Reference meta-gradient of (a), then metadist's, at the same initial parameters.
-        meta_objective(
-            net,
-            b.x_spt,
-            b.y_spt,
-            b.x_qry,
-            b.y_qry,
-            F.cross_entropy,
-            steps=INNER_STEPS,
-            lr=INNER_LR,
-            vectorize=False,
-        )[0].backward()
-        reference = flat_grad(net).clone()
+        reference = reference_meta_grad(net, b)
 
         def step() -> None:
             opt.zero_grad()
@@ -214,18 +219,7 @@ def role_torchopt(args: argparse.Namespace) -> None:
     def drive() -> None:
         net, b = workload()
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-        meta_objective(
-            net,
-            b.x_spt,
-            b.y_spt,
-            b.x_qry,
-            b.y_qry,
-            F.cross_entropy,
-            steps=INNER_STEPS,
-            lr=INNER_LR,
-            vectorize=False,
-        )[0].backward()
-        reference = flat_grad(net).clone()
+        reference = reference_meta_grad(net, b)
 
         def step(apply: bool = True) -> None:
             opt.zero_grad()
