@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 from _dist import REPO
@@ -16,6 +17,7 @@ from _dist import REPO
 from metadist.network import free_loopback_port
 
 SCRIPT = REPO / "tests" / "scripts" / "fault_job.py"
+TORCHRUN_2 = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 
 
 def _alive(pid: int) -> bool:
@@ -39,6 +41,18 @@ def _wait_gone(pids: list[int], limit: float) -> float:
     return time.monotonic() - start
 
 
+def _torchrun(mode: str, out: IO[str]) -> subprocess.Popen[bytes]:
+    """Start ``fault_job.py mode`` under torchrun with 2 workers, in its own session."""
+    return subprocess.Popen(
+        [*TORCHRUN_2, str(SCRIPT), mode],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+
+
 def _ready_pids(log: Path, count: int, limit: float = 60.0) -> list[int]:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
@@ -56,22 +70,7 @@ def test_signal_to_torchrun_stops_every_worker_within_10s(
 ) -> None:
     log = tmp_path / "out.log"
     with log.open("w") as out:
-        torchrun = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                str(SCRIPT),
-                "hang",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
+        torchrun = _torchrun("hang", out)
         try:
             workers = _ready_pids(log, 2)
             time.sleep(1.0)  # rank 0 is now blocked in the remote call
@@ -159,22 +158,7 @@ def test_call_in_flight_at_shutdown_fails_the_job_instead_of_hanging(tmp_path: P
     log = tmp_path / "out.log"
     start = time.monotonic()
     with log.open("w") as out:
-        torchrun = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                str(SCRIPT),
-                "inflight",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
+        torchrun = _torchrun("inflight", out)
         try:
             code = torchrun.wait(90)
         finally:
