@@ -3,16 +3,23 @@
 ``run_world(fn, world_size, *args)`` spawns ``world_size`` processes over loopback; each runs
 ``fn(rank, world_size, *args)`` inside :func:`metadist.auto_init_rpc`. A child's exception fails
 the test with the child's traceback; a world that outlives ``timeout`` is killed.
+
+``run_scenarios(scenarios, world_size)`` starts one world for many checks: rank 0 runs every
+scenario in turn (the other ranks serve its calls) and records each one's traceback, so that a
+module-scoped fixture can report every scenario under its own test id (:class:`Scenarios`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +89,70 @@ def run_world(
             if process.is_alive():
                 process.kill()
             process.join(5)
+
+
+def _run_scenarios(
+    rank: int, world_size: int, scenarios: Sequence[Callable[[int], Any]], out: str
+) -> None:
+    if rank != 0:
+        return  # serve rank 0's calls until it is done
+    results: dict[str, str | None] = {}
+    for scenario in scenarios:
+        try:
+            scenario(world_size)
+        except Exception:
+            results[scenario.__name__] = traceback.format_exc()
+        else:
+            results[scenario.__name__] = None
+    Path(out).write_text(json.dumps(results))
+
+
+class Scenarios:
+    """Outcome of :func:`run_scenarios`: ``check(name)`` fails with that scenario's traceback."""
+
+    def __init__(self, results: Mapping[str, str | None], error: str | None) -> None:
+        self.results = dict(results)
+        self.error = error
+
+    def check(self, name: str) -> None:
+        if name not in self.results:
+            raise AssertionError(f"scenario {name} did not run: {self.error or 'not recorded'}")
+        failure = self.results[name]
+        if failure is not None:
+            raise AssertionError(f"scenario {name} failed on rank 0:\n{failure}")
+
+
+def run_scenarios(
+    scenarios: Sequence[Callable[[int], Any]],
+    world_size: int,
+    *,
+    timeout: float = 200.0,
+    env: Mapping[str, str] | None = None,
+    init_kwargs: Mapping[str, Any] | None = None,
+) -> Scenarios:
+    """Run each ``scenario(world_size)`` on rank 0 of one spawned world; never raises.
+
+    Scenarios are module-level functions; they run in order, and a failing one does not stop the
+    others. If the world itself fails (a crash, a hang past ``timeout``), the scenarios that did
+    not record a result fail with that error.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "results.json")
+        error = None
+        try:
+            run_world(
+                _run_scenarios,
+                world_size,
+                list(scenarios),
+                out,
+                timeout=timeout,
+                env=env,
+                init_kwargs=init_kwargs,
+            )
+        except Exception as failure:
+            error = f"{type(failure).__name__}: {failure}"
+        results = json.loads(Path(out).read_text()) if os.path.exists(out) else {}
+    return Scenarios(results, error)
 
 
 def run_torchrun(
