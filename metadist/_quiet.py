@@ -27,13 +27,7 @@ _MESSAGES = (
 
 @contextlib.contextmanager
 def quiet_torch_warnings() -> Iterator[None]:
-    """Silence torch's known-noise warnings for the duration of the block.
-
-    Example:
-        >>> import torch
-        >>> with quiet_torch_warnings():
-        ...     fn = torch.jit.script(lambda x: x + 1)  # doctest: +SKIP
-    """
+    """Silence torch's known-noise warnings for the duration of the block."""
     with warnings.catch_warnings():
         for message in _MESSAGES:
             warnings.filterwarnings("ignore", message=message)

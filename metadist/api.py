@@ -13,7 +13,6 @@ import functools
 import pickle
 import sys
 import threading
-import traceback
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -23,11 +22,12 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from metadist import transport, world
-from metadist.errors import RemoteError
+from metadist import autograd, transport, world
+from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from metadist.errors import RemoteError, RemoteFailure
 from metadist.partition import batch_partitioner
-from metadist.reduce import PartitionResults
-from metadist.world import get_worker_id, get_worker_names, require_rpc
+from metadist.reduce import PartitionResults, check_sizes
+from metadist.world import get_worker_id, get_worker_name, get_worker_names, require_rpc
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -43,9 +43,18 @@ __all__ = [
 P = ParamSpec("P")
 T = TypeVar("T")
 
+
+class _DefaultTimeout(float):
+    """torch's "unset" timeout (-1.0), shown by name in signatures and error messages."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT_TIMEOUT"
+
+
 #: ``timeout`` default: the running world's RPC timeout (``rpc_backend_options.rpc_timeout``,
-#: 60 s unless configured), per partition.
-DEFAULT_TIMEOUT: float = -1.0
+#: 60 s unless configured), per partition. Equal to torch's ``UNSET_RPC_TIMEOUT`` (-1.0), so
+#: code written for torchopt that passes that constant keeps working.
+DEFAULT_TIMEOUT: float = _DefaultTimeout(-1.0)
 
 #: A worker rank, a worker name, or ``partitioner(*args, **kwargs) -> [(worker, args, kwargs)]``.
 Partitioner = int | str | Callable[..., Sequence[tuple[int | str, Sequence[Any], dict[str, Any]]]]
@@ -128,98 +137,103 @@ def _sendable(func: Any) -> Any:
 # Worker side
 
 
-class _RemoteFailure:
-    """An exception raised on a worker, in a form that always unpickles on the caller."""
-
-    __slots__ = ("message", "stage", "trace", "type_module", "type_qualname", "worker")
-
-    def __init__(  # noqa: PLR0917 - rebuilt positionally by __reduce__
-        self,
-        type_module: str,
-        type_qualname: str,
-        message: str,
-        trace: str,
-        worker: str,
-        stage: str,
-    ) -> None:
-        self.type_module = type_module
-        self.type_qualname = type_qualname
-        self.message = message
-        self.trace = trace
-        self.worker = worker
-        self.stage = stage
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _RemoteFailure,
-            (
-                self.type_module,
-                self.type_qualname,
-                self.message,
-                self.trace,
-                self.worker,
-                self.stage,
-            ),
-        )
-
-    def to_exception(self, index: int, count: int, func_name: str) -> BaseException:
-        type_name = f"{self.type_module}.{self.type_qualname}"
-        message = (
-            f"{self.message}\n\n[metadist] {func_name}() raised {type_name} on worker "
-            f"{self.worker!r} (partition {index} of {count}). Remote traceback:\n{self.trace}"
-        )
-        exc: BaseException | None = None
-        exc_type: Any = sys.modules.get(self.type_module)
-        for part in self.type_qualname.split("."):
-            exc_type = getattr(exc_type, part, None)
-        if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-            try:
-                exc = exc_type(message)
-            except Exception:
-                exc = None
-        if exc is None:
-            exc = RemoteError(message)
-        exc.worker_name = self.worker  # type: ignore[attr-defined]
-        exc.partition_index = index  # type: ignore[attr-defined]
-        exc.remote_type = type_name  # type: ignore[attr-defined]
-        exc.remote_traceback = self.trace  # type: ignore[attr-defined]
-        return exc
+def _grad_mode() -> int:
+    """The caller's autograd mode, re-created around the partition wherever it runs."""
+    if torch.is_inference_mode_enabled():
+        return _INFERENCE
+    return _GRAD if torch.is_grad_enabled() else _NO_GRAD
 
 
-def _failure(error: Exception, stage: str) -> _RemoteFailure:
-    try:
-        worker = rpc.get_worker_info().name
-    except Exception:
-        worker = "?"
-    return _RemoteFailure(
-        type(error).__module__,
-        type(error).__qualname__,
-        str(error),
-        "".join(traceback.format_exception(error)),
-        worker,
-        stage,
-    )
+_NO_GRAD, _GRAD, _INFERENCE = 0, 1, 2
 
 
-def _run_partition(
+def _in_grad_mode(mode: int) -> contextlib.AbstractContextManager[Any]:
+    if mode == _INFERENCE:
+        return torch.inference_mode()
+    return torch.set_grad_enabled(mode == _GRAD)
+
+
+class _TieToInputs(torch.autograd.Function):
+    """Pass ``output`` through, and give every input a (zero) gradient in the backward pass.
+
+    torch's distributed autograd waits, in every backward pass of a context, for a gradient of
+    every tensor a worker received in it. A remote function whose result does not depend on one
+    of its differentiable arguments (a fresh leaf made on the worker, an argument it ignores)
+    would leave that wait unfinished forever; tied to the result, each argument receives a
+    gradient (zero where it was unused, as its true gradient is), and the caller's check of
+    which results a backward pass reaches holds through chained calls.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*inputs)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (grad, *(torch.zeros_like(t) for t in ctx.saved_tensors))
+
+
+def _received_grad_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors (module parameters included) that arrived through distributed autograd."""
+    found = []
+    leaves, _ = tree_flatten((args, kwargs))
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.grad_fn is not None:
+                found.append(leaf)
+        elif isinstance(leaf, torch.nn.Module):
+            found.extend(p for p in leaf.parameters() if p.grad_fn is not None)
+    return found
+
+
+def _finish_result(result: Any, inputs: list[torch.Tensor]) -> Any:
+    """Tie the result to the received inputs; refuse results that cannot travel faithfully."""
+    leaves, spec = tree_flatten(result)
+    tied = not inputs
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, (torch.nn.Module, torch.nn.Parameter)):
+            kind = "a module" if isinstance(leaf, torch.nn.Module) else "an nn.Parameter"
+            raise TypeError(
+                f"the result holds {kind} ({type(leaf).__name__}) at "
+                f"result{_result_path(result, i)}: it would reach the caller as a detached copy, "
+                f"linked to no gradient. Return tensors computed from it instead (for a module, "
+                f"e.g. {{name: p * 1 for name, p in module.named_parameters()}})"
+            )
+        if not tied and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaves[i] = _TieToInputs.apply(leaf, *inputs)
+            tied = True
+    return tree_unflatten(leaves, spec) if inputs and tied else result
+
+
+def _result_path(result: Any, index: int) -> str:
+    pairs, _ = tree_flatten_with_path(result)
+    return keystr(pairs[index][0])
+
+
+def _run_partition(  # noqa: PLR0917 - the RPC target; positional on the wire
     func: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     needs_decode: bool,
     compression: torch.dtype | None,
+    grad_mode: int = _GRAD,
 ) -> Any:
     """Run one partition on this worker (the RPC target of every remote call)."""
+    worker = rpc.get_worker_info().name
     try:
         if needs_decode:
             args, kwargs = transport.decode(args, kwargs)
     except Exception as error:
-        return _failure(error, "decode")
+        return RemoteFailure.capture(error, worker, "decode")
     try:
-        result = getattr(func, _ORIGINAL, func)(*args, **kwargs)
+        with _in_grad_mode(grad_mode):
+            result = getattr(func, _ORIGINAL, func)(*args, **kwargs)
+            result = _finish_result(result, _received_grad_inputs(args, kwargs))
         if compression is not None:
             result = transport.compress_tree(result, compression)
     except Exception as error:
-        return _failure(error, "call")
+        return RemoteFailure.capture(error, worker, "call")
     return result
 
 
@@ -304,16 +318,20 @@ def _partitions(
             )
         parts.append((names[worker_id], tuple(p_args), p_kwargs))
     sizes = getattr(raw, "sizes", None)
-    if sizes is not None:
-        # Wrong sizes would silently skew a weighted mean: refuse them before sending.
-        try:
-            sizes = PartitionResults([None] * len(parts), sizes).sizes
-        except (TypeError, ValueError) as error:
-            message = str(error).replace("PartitionResults: sizes", "Partitions.sizes")
-            raise type(error)(
-                f"partitioner {name} returned {len(parts)} partitions: {message}"
-            ) from None
+    if sizes is not None:  # refused before sending: wrong sizes would skew a weighted mean
+        sizes = check_sizes(
+            sizes,
+            len(parts),
+            f"partitioner {name} returned {len(parts)} partitions: Partitions.sizes",
+            "partition",
+        )
     return parts, sizes
+
+
+def _located(error: BaseException, worker: str, index: int) -> BaseException:
+    error.worker_name = worker  # type: ignore[attr-defined]
+    error.partition_index = index  # type: ignore[attr-defined]
+    return error
 
 
 def _rpc_error(
@@ -323,9 +341,13 @@ def _rpc_error(
     if "timed out" in text.lower() or "timeout" in text.lower():
         if timeout == rpc.constants.UNSET_RPC_TIMEOUT:
             timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
-        return TimeoutError(
-            f"partition {index} of {count} on worker {worker!r} did not finish within the "
-            f"timeout of {timeout} s: {text}"
+        return _located(
+            TimeoutError(
+                f"partition {index} of {count} on worker {worker!r} did not finish within the "
+                f"timeout of {timeout} s: {text}"
+            ),
+            worker,
+            index,
         )
     return RemoteError(
         f"partition {index} of {count} on worker {worker!r} failed in RPC: "
@@ -337,16 +359,22 @@ def _rpc_error(
 
 
 class _Call:
-    """The partitions of one remote call in flight, and how to turn them into its result."""
+    """The partitions of one remote call in flight, and how to turn them into its result.
+
+    Partitions whose worker is the caller itself ran already, in-process (``local``); the
+    others are RPC futures.
+    """
 
     __slots__ = (
-        "carried",
         "compression",
         "context_id",
         "differentiable",
         "func_name",
         "futures",
-        "grad_enabled",
+        "grad_mode",
+        "input_nodes",
+        "local",
+        "new_structures",
         "reducer",
         "sizes",
         "timeout",
@@ -354,68 +382,59 @@ class _Call:
         "world_token",
     )
 
-    def __init__(  # noqa: PLR0917 - internal, called once per remote call
-        self,
-        futures: list[Future[Any]],
-        workers: list[str],
-        carried: list[tuple[str, ...]],
-        sizes: tuple[int, ...] | None,
-        reducer: Callable[[Any], Any] | None,
-        compression: torch.dtype | None,
-        func_name: str,
-        timeout: float,
-        world_token: object,
-        differentiable: list[bool],
-    ) -> None:
-        self.futures = futures
-        self.workers = workers
-        self.carried = carried
-        self.sizes = sizes
-        self.reducer = reducer
-        self.compression = compression
+    def __init__(self, func_name: str, workers: list[str]) -> None:
+        count = len(workers)
         self.func_name = func_name
-        self.timeout = timeout
-        self.world_token = world_token
-        self.differentiable = differentiable
-        self.context_id = transport.current_context()
-        self.grad_enabled = torch.is_grad_enabled()
+        self.workers = workers
+        self.futures: list[Future[Any] | None] = [None] * count
+        self.local: dict[int, Any] = {}
+        self.new_structures: list[tuple[str, ...]] = [()] * count
+        self.differentiable = [False] * count
+        self.input_nodes: list[list[Any]] = [[] for _ in range(count)]
+        self.sizes: tuple[int, ...] | None = None
+        self.reducer: Callable[[Any], Any] | None = None
+        self.compression: torch.dtype | None = None
+        self.timeout = 0.0
+        self.world_token: object = None
+        self.context_id = autograd.current_context()
+        self.grad_mode = _grad_mode()
+
+    def _outcome(self, index: int) -> tuple[bool, Any]:
+        """``(True, value)`` of one partition, or ``(False, exception to raise)``."""
+        if index in self.local:
+            return self.local[index]
+        future = self.futures[index]
+        assert future is not None
+        worker = self.workers[index]
+        try:
+            value = future.wait()
+        except Exception as error:
+            return False, _rpc_error(error, index, len(self.workers), worker, self.timeout)
+        if isinstance(value, RemoteFailure):
+            if value.stage != "decode":  # the worker cached the structures before the call
+                transport.mark_structure_confirmed(
+                    self.world_token, worker, self.new_structures[index]
+                )
+            return False, value.to_exception(index, len(self.workers), self.func_name)
+        transport.mark_structure_confirmed(self.world_token, worker, self.new_structures[index])
+        if self.compression is not None:
+            value = transport.decompress_tree(value)
+        if self.context_id is not None:
+            value = autograd.receive(
+                self.context_id,
+                value,
+                self.input_nodes[index],
+                f"{self.func_name} (partition {index} on {worker!r})",
+                self.differentiable[index],
+            )
+        return True, value
 
     def collect(self) -> Any:
         """Wait for *every* partition (none is left pending), then reduce or raise."""
-        values: list[Any] = []
-        errors: list[BaseException] = []
-        nodes: list[Any] = []
-        dangling: list[str] = []
-        count = len(self.futures)
-        world._wait_done(self.futures)
-        for index, future in enumerate(self.futures):
-            worker = self.workers[index]
-            try:
-                value = future.wait()
-            except Exception as error:
-                errors.append(_rpc_error(error, index, count, worker, self.timeout))
-                continue
-            if isinstance(value, _RemoteFailure):
-                if value.stage != "decode":
-                    transport.mark_structure_confirmed(
-                        self.world_token, worker, self.carried[index]
-                    )
-                errors.append(value.to_exception(index, count, self.func_name))
-                continue
-            if self.carried[index]:
-                transport.mark_structure_confirmed(self.world_token, worker, self.carried[index])
-            if self.context_id is not None:
-                found = list(transport._grad_nodes(value))
-                if (
-                    not found
-                    and self.differentiable[index]
-                    and transport._surely_not_differentiable(value)
-                ):
-                    dangling.append(f"{self.func_name} (partition {index} on {worker!r})")
-                nodes.extend(found)
-            values.append(value)
-        if self.context_id is not None:
-            transport._record_received(self.context_id, nodes, dangling)
+        world._wait_done([f for f in self.futures if f is not None])
+        outcomes = [self._outcome(i) for i in range(len(self.workers))]
+        values = [value for ok, value in outcomes if ok]
+        errors = [error for ok, error in outcomes if not ok]
         if errors:
             first = errors[0]
             if len(errors) > 1:
@@ -425,32 +444,36 @@ class _Call:
                 )
                 first.add_note(f"[metadist] {len(errors) - 1} more partition(s) failed: {others}")
             raise first
-        if self.compression is not None:
-            values = [transport.decompress_tree(v) for v in values]
         if self.reducer is None:
             return values
-        with torch.set_grad_enabled(self.grad_enabled):
+        with _in_grad_mode(self.grad_mode):
             return self.reducer(PartitionResults(values, self.sizes))
 
     def future(self) -> Future[Any]:
         """A future completed (by the last partition's callback) with :meth:`collect`."""
         result: Future[Any] = Future()
-        remaining = [len(self.futures)]
+        pending = [f for f in self.futures if f is not None]
+        remaining = [len(pending)]
         lock = threading.Lock()
+
+        def finish() -> None:
+            try:
+                value = self.collect()
+            except BaseException as error:
+                result.set_exception(error)
+            else:
+                result.set_result(value)
 
         def on_done(_: Future[Any]) -> None:
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                try:
-                    value = self.collect()
-                except BaseException as error:
-                    result.set_exception(error)
-                else:
-                    result.set_result(value)
+                finish()
 
-        for future in self.futures:
+        if not pending:
+            finish()
+        for future in pending:
             future.add_done_callback(on_done)
         return result
 
@@ -480,43 +503,65 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     dtype = transport.resolve_compression(compression)
     names = get_worker_names()
     parts, sizes = _partitions(partitioner, tuple(args), kwargs, names)
+    own = get_worker_name()
 
-    # Encode every partition before sending anything, so that bad input fails with no RPC sent.
-    world_token = world.world_token()
-    # RPC attaches these partitions to the distributed autograd context: their results must
-    # come back differentiable, or no backward pass in the context can finish (checked there).
-    in_context = transport.current_context() is not None
-    differentiable = [in_context and transport.sends_grad(a, k) for _, a, k in parts]
-    memo = transport.CallMemo()
-    encoded = [
-        transport.encode(p_args, p_kwargs, world=world_token, worker=name, dtype=dtype, memo=memo)
-        for name, p_args, p_kwargs in parts
-    ]
-    futures: list[Future[Any]] = []
-    for (name, _, _), (e_args, e_kwargs, needs_decode, _) in zip(parts, encoded, strict=True):
-        try:
-            future = rpc.rpc_async(
-                name,
-                _run_partition,
-                args=(sendable, e_args, e_kwargs, needs_decode, dtype),
-                timeout=rpc_timeout,
-            )
-        except Exception as error:
-            future = Future()
-            future.set_exception(error)
-        futures.append(future)
-    return _Call(
-        futures,
-        [name for name, _, _ in parts],
-        [carried for *_, carried in encoded],
-        sizes,
-        reducer,
-        dtype,
-        getattr(func, "__qualname__", None) or type(func).__name__,
-        rpc_timeout,
-        world_token,
-        differentiable,
+    call = _Call(
+        getattr(func, "__qualname__", None) or type(func).__name__, [n for n, _, _ in parts]
     )
+    call.sizes, call.reducer, call.compression, call.timeout = sizes, reducer, dtype, rpc_timeout
+    remote = [i for i, (name, _, _) in enumerate(parts) if name != own]
+    if remote:
+        call.world_token = world.world_token()
+        # RPC attaches these partitions to the distributed autograd context: their results must
+        # come back differentiable, or no backward pass in the context can finish (checked
+        # there). Only then does a partition's argument graph matter (see autograd).
+        attached = call.context_id is not None and call.grad_mode == _GRAD
+        memo = transport.CallMemo()
+        encoded = {}
+        # Encode every remote partition before sending anything, so that bad input fails with
+        # no RPC sent.
+        for i in remote:
+            name, p_args, p_kwargs = parts[i]
+            if attached:
+                call.differentiable[i], call.input_nodes[i] = autograd.grad_inputs(p_args, p_kwargs)
+            encoded[i] = transport.encode(
+                p_args,
+                p_kwargs,
+                world=call.world_token,
+                worker=name,
+                dtype=dtype,
+                memo=memo,
+                attached=attached,
+            )
+        for i in remote:
+            e_args, e_kwargs, needs_decode, call.new_structures[i] = encoded[i]
+            try:
+                future = rpc.rpc_async(
+                    parts[i][0],
+                    _run_partition,
+                    args=(sendable, e_args, e_kwargs, needs_decode, dtype, call.grad_mode),
+                    timeout=rpc_timeout,
+                )
+            except Exception as error:
+                future = Future()
+                future.set_exception(error)
+            call.futures[i] = future
+    # The caller's own partitions run here, on this thread, while the remote ones compute:
+    # no RPC to itself, no encoding, and their graph is part of the caller's own.
+    for i, (_, p_args, p_kwargs) in enumerate(parts):
+        if call.futures[i] is not None:
+            continue
+        try:  # as the worker would run it, errors included
+            result = getattr(func, _ORIGINAL, func)(*p_args, **p_kwargs)
+            _finish_result(result, [])
+        except Exception as error:
+            failure = RemoteFailure.capture(error, own, "call")
+            raised = failure.to_exception(i, len(parts), call.func_name)
+            raised.__cause__ = error
+            call.local[i] = (False, raised)
+        else:
+            call.local[i] = (True, result)
+    return call
 
 
 def remote_async_call(
@@ -724,27 +769,5 @@ def _parallelizer(
     return decorator
 
 
-def parallelize(
-    partitioner: Partitioner | None = None,
-    reducer: Reducer | None = None,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    compression: str | None = None,
-) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
-    """Alias of :func:`parallelize_sync` (as in TorchOpt).
-
-    Args:
-        partitioner: As for :func:`remote_async_call`.
-        reducer: As for :func:`remote_async_call`.
-        timeout: As for :func:`remote_async_call`.
-        compression: As for :func:`remote_async_call`.
-
-    Returns:
-        A decorator; the decorated function returns the (reduced) result.
-
-    Example:
-        >>> import metadist
-        >>> @parallelize(partitioner=metadist.dim_partitioner(0), reducer=metadist.mean_reducer)
-        ... def loss(x):  # in a real job: at module level, so workers can import it
-        ...     return x.mean()
-    """
-    return parallelize_sync(partitioner, reducer, timeout, compression)
+#: ``parallelize`` is :func:`parallelize_sync` (TorchOpt's name for it).
+parallelize = parallelize_sync

@@ -17,7 +17,8 @@ differ from a fresh computation in the last bits (about 1e-7 relative in float32
 Distributed autograd (FAST mode) also needs every remote result received in a context, also
 before an earlier backward pass in it, to be reachable from the roots of each backward pass, or
 it waits forever. metadist checks this for results of :func:`metadist.remote_async_call` made
-inside :func:`context` and raises instead; open one context per backward pass.
+inside :func:`context` and raises instead; a result sent on to another remote call counts as
+reached when that call's result is. Open one context per backward pass.
 
 Example:
     >>> import torch
@@ -46,10 +47,197 @@ import torch.distributed.autograd as dist_autograd
 from torch.distributed.autograd import backward as _dist_backward  # type: ignore[attr-defined]
 from torch.distributed.autograd import get_gradients as _dist_get_gradients  # type: ignore[attr-defined]
 
-from metadist import transport
+from metadist._pytree import tree_flatten, tree_unflatten
 from metadist.world import require_rpc
 
+# current_context, grad_inputs and receive are metadist.api's way in; not part of the user API.
 __all__ = ["backward", "context", "get_gradients", "grad"]
+
+# ------------------------------------------------------------------------------------------------
+# What metadist knows about each open context: written by remote calls, read by backward passes
+
+_THREAD = threading.local()
+
+
+class _ContextRecord:
+    """Autograd nodes of the remote results received in one metadist context.
+
+    Every backward pass in the context must reach all of them, including those received before
+    an earlier pass (torch's distributed autograd, FAST mode, waits for the gradients of every
+    remote call made in the context), so they are kept until the context closes.
+    """
+
+    __slots__ = ("dangling", "freed", "inputs_of", "nodes", "passed")
+
+    def __init__(self) -> None:
+        self.nodes: list[Any] = []
+        # For each result node, the graph nodes of the differentiable arguments of the call that
+        # produced it: the worker ties its results to every such argument, so reaching the
+        # result reaches them too (how a result sent on to a second call gets its gradient).
+        self.inputs_of: dict[int, list[Any]] = {}
+        # Functions of calls that were sent tensors requiring grad but returned nothing
+        # differentiable: the workers' half of their graph can never be reached.
+        self.dangling: list[str] = []
+        # nodes[:passed] were reached by a completed backward pass; nodes[:freed] by one without
+        # retain_graph, which freed their graph (on the workers too).
+        self.passed = 0
+        self.freed = 0
+
+
+_RECORDS: dict[int, _ContextRecord] = {}
+_RECORDS_LOCK = threading.Lock()
+
+
+def current_context() -> int | None:
+    """Return the id of the innermost :func:`context` open on this thread, if any."""
+    stack: list[int] | None = getattr(_THREAD, "stack", None)
+    return stack[-1] if stack else None
+
+
+def grad_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, list[Any]]:
+    """Whether RPC would attach these arguments to distributed autograd, and their graph nodes.
+
+    Returns ``(sends_grad, nodes)``: ``sends_grad`` is true when grad mode is on and a tensor (or
+    a module's parameter) among the arguments requires grad; ``nodes`` are the ``grad_fn`` of
+    the non-leaf tensors among them (what a backward pass reaches through this call).
+
+    Example:
+        >>> import torch
+        >>> grad_inputs((torch.ones(1, requires_grad=True),), {})
+        (True, [])
+    """
+    if not torch.is_grad_enabled():
+        return False, []
+    sends = False
+    nodes = []
+    leaves, _ = tree_flatten((args, kwargs))
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                sends = True
+                if leaf.grad_fn is not None:
+                    nodes.append(leaf.grad_fn)
+        elif isinstance(leaf, torch.nn.Module) and not sends:
+            sends = any(p.requires_grad for p in leaf.parameters())
+    return sends, nodes
+
+
+_RECEIVE_NODE = "torch::distributed::autograd::RecvRpcBackward"
+# Gives the outputs of _SendGradientsFirst a grad_fn; its own gradient is never computed.
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class _SendGradientsFirst(torch.autograd.Function):
+    """Pass a remote partition's results through; in backward, send their gradients at once.
+
+    The autograd engine runs ready nodes newest first, and torch creates the node that sends a
+    remote result's gradients back to its worker (``RecvRpcBackward``) with the oldest possible
+    sequence number, so it would run only after every local node of the pass, including the
+    caller's own partition: the workers would start their share of the backward pass only when
+    the caller had finished its own. This node is made when the result arrives, so it runs as
+    soon as the gradients of the results are known, and hands them to torch's receive node
+    itself; the workers' backward then overlaps the caller's. (The receive node has no local
+    edges, so calling it here instead of from the engine changes nothing else.)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, node: Any, anchor: torch.Tensor, *received: torch.Tensor) -> Any:
+        ctx.node = node
+        return tuple(t.view_as(t) for t in received)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
+        ctx.node(*grads)
+        return (None,) * (len(grads) + 2)
+
+
+def _send_gradients_first(value: Any) -> Any:
+    """``value`` with each remote result routed through :class:`_SendGradientsFirst`."""
+    leaves, spec = tree_flatten(value)
+    groups: dict[int, tuple[Any, dict[int, list[int]]]] = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+            node = leaf.grad_fn
+            if node.name() == _RECEIVE_NODE:
+                groups.setdefault(id(node), (node, {}))[1].setdefault(leaf.output_nr, []).append(i)
+    if not groups:
+        return value
+    for node, outputs in groups.values():
+        # Every input of the receive node needs its gradient; if a result tensor is out of
+        # sight (inside an object pytree does not open), leave the node to the engine.
+        if len(outputs) != len(node._input_metadata):
+            continue
+        received = [leaves[outputs[k][0]].detach() for k in range(len(outputs))]
+        linked = _SendGradientsFirst.apply(node, _ANCHOR, *received)
+        for k, places in outputs.items():
+            for i in places:
+                leaves[i] = linked[k]
+    return tree_unflatten(leaves, spec)
+
+
+def receive(context_id: int, value: Any, inputs: list[Any], name: str, sent_grad: bool) -> Any:
+    """Link one remote partition's result into the caller's graph and record it.
+
+    Args:
+        context_id: The context the call was made in.
+        value: The partition's result as received (a pytree).
+        inputs: Graph nodes of the partition's differentiable arguments (see
+            :func:`grad_inputs`).
+        name: The partition, for error messages (function, index, worker).
+        sent_grad: Whether the partition was sent tensors that require grad.
+
+    Returns:
+        The result to hand to the reducer (its tensors are new views of the received ones).
+    """
+    if sent_grad and surely_not_differentiable(value):
+        nodes: list[Any] = []
+        dangling = [name]
+    else:
+        value = _send_gradients_first(value)
+        dangling = []
+        leaves, _ = tree_flatten(value)
+        nodes = [leaf.grad_fn for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.grad_fn]
+    if nodes or dangling:
+        with _RECORDS_LOCK:
+            record = _RECORDS.get(context_id)
+            if record is None:
+                record = _RECORDS[context_id] = _ContextRecord()
+            record.nodes.extend(nodes)
+            record.dangling.extend(dangling)
+            if inputs:
+                for node in nodes:
+                    record.inputs_of[id(node)] = inputs
+    return value
+
+
+_PLAIN = (torch.Tensor, int, float, complex, str, bytes, type(None))
+
+
+def surely_not_differentiable(tree: Any) -> bool:
+    """True only if no leaf of ``tree`` can hide a tensor that requires grad.
+
+    A leaf pytree cannot look into (a dataclass, a custom result class) might hold one, so it
+    makes the answer False: a false alarm would break correct code.
+
+    Example:
+        >>> import torch
+        >>> surely_not_differentiable([torch.ones(1), 2.0])
+        True
+    """
+    leaves, _ = tree_flatten(tree)
+    for leaf in leaves:
+        if not isinstance(leaf, _PLAIN):
+            return False
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return False
+    return True
+
+
+def _open_contexts() -> int:
+    """How many contexts still hold records (a leak check for tests)."""
+    with _RECORDS_LOCK:
+        return len(_RECORDS)
+
 
 # Contexts opened by context() in which no backward pass has run yet: their map is empty, so a
 # first pass needs no snapshot and its gradients are exact.
@@ -83,11 +271,16 @@ def context() -> Iterator[int]:
     with dist_autograd.context() as context_id:
         with _FRESH_LOCK:
             _FRESH.add(context_id)
-        transport._push_context(context_id)
+        stack: list[int] | None = getattr(_THREAD, "stack", None)
+        if stack is None:
+            stack = _THREAD.stack = []
+        stack.append(context_id)
         try:
             yield context_id
         finally:
-            transport._pop_context(context_id)
+            stack.remove(context_id)
+            with _RECORDS_LOCK:
+                _RECORDS.pop(context_id, None)
             with _FRESH_LOCK:
                 _FRESH.discard(context_id)
 
@@ -138,11 +331,6 @@ def check_context(context_id: int, api: str) -> None:
 
     Raises:
         ValueError: ``context_id`` is not an int, or no such context exists in this process.
-
-    Example:
-        >>> check_context(987654321, "metadist.autograd.backward")  # doctest: +SKIP
-        Traceback (most recent call last):
-        ValueError: metadist.autograd.backward: context_id 987654321 is not a live ...
     """
     if isinstance(context_id, bool) or not isinstance(context_id, int):
         raise ValueError(f"{api}: context_id must be an int, got {context_id!r}")
@@ -158,7 +346,13 @@ def check_context(context_id: int, api: str) -> None:
 
 def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> int:
     """Raise unless this pass can complete; return how many received nodes it reaches."""
-    dangling = transport._dangling(context_id)
+    with _RECORDS_LOCK:
+        record = _RECORDS.get(context_id)
+        if record is None:
+            return 0
+        dangling = list(record.dangling)
+        nodes, passed, freed = list(record.nodes), record.passed, record.freed
+        inputs_of = dict(record.inputs_of)
     if dangling:
         raise RuntimeError(
             f"{len(dangling)} remote call(s) in distributed autograd context {context_id} were "
@@ -168,7 +362,6 @@ def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> int:
             f"(metrics, evaluation) under torch.no_grad() or outside the context, or return a "
             f"result computed from the differentiable arguments"
         )
-    nodes, passed, freed = transport._received(context_id)
     if not nodes:
         return 0
     pending = {id(node): i for i, node in enumerate(nodes)}
@@ -183,6 +376,7 @@ def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> int:
         seen[id(node)] = node
         pending.pop(id(node), None)
         stack.extend(child for child, _ in node.next_functions if child is not None)
+        stack.extend(inputs_of.get(id(node), ()))
     if pending:
         earlier = sum(i < passed for i in pending.values())
         hint = (
@@ -237,7 +431,12 @@ def _pass(
     before = _snapshot(context_id, targets)
     _dist_backward(context_id, roots, retain_graph=retain_graph)
     # The received nodes stay until the context closes: later passes must reach them too.
-    transport._record_pass(context_id, reached, retain_graph)
+    with _RECORDS_LOCK:
+        record = _RECORDS.get(context_id)
+        if record is not None:
+            record.passed = max(record.passed, reached)
+            if not retain_graph:
+                record.freed = max(record.freed, reached)
     after: dict[torch.Tensor, torch.Tensor] = _dist_get_gradients(context_id)
     deltas: dict[torch.Tensor, torch.Tensor] = {}
     with torch.no_grad():

@@ -1,8 +1,12 @@
-"""Exceptions raised by metadist's remote calls."""
+"""Exceptions of remote calls, and the form in which a worker's exception travels back."""
 
 from __future__ import annotations
 
-__all__ = ["RemoteError"]
+import sys
+import traceback
+from typing import Any
+
+__all__ = ["RemoteError", "RemoteFailure"]
 
 
 class RemoteError(RuntimeError):
@@ -45,3 +49,80 @@ class RemoteError(RuntimeError):
         self.partition_index = partition_index
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+
+
+class RemoteFailure:
+    """An exception raised by a partition, in a form that always unpickles on the caller.
+
+    The exception object itself may not pickle (or its class may not exist on the caller), so a
+    worker returns this instead and the caller rebuilds the exception with :meth:`to_exception`.
+    ``stage`` says whether the arguments could not be decoded (``"decode"``) or the function
+    raised (``"call"``).
+    """
+
+    __slots__ = ("message", "stage", "trace", "type_module", "type_qualname", "worker")
+
+    def __init__(  # noqa: PLR0917 - rebuilt positionally by __reduce__
+        self,
+        type_module: str,
+        type_qualname: str,
+        message: str,
+        trace: str,
+        worker: str,
+        stage: str,
+    ) -> None:
+        self.type_module = type_module
+        self.type_qualname = type_qualname
+        self.message = message
+        self.trace = trace
+        self.worker = worker
+        self.stage = stage
+
+    @classmethod
+    def capture(cls, error: BaseException, worker: str, stage: str) -> RemoteFailure:
+        """Record ``error`` (raised on ``worker`` while in ``stage``) with its traceback."""
+        return cls(
+            type(error).__module__,
+            type(error).__qualname__,
+            str(error),
+            "".join(traceback.format_exception(error)),
+            worker,
+            stage,
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            RemoteFailure,
+            (
+                self.type_module,
+                self.type_qualname,
+                self.message,
+                self.trace,
+                self.worker,
+                self.stage,
+            ),
+        )
+
+    def to_exception(self, index: int, count: int, func_name: str) -> BaseException:
+        """The exception to raise on the caller for partition ``index`` of ``count``."""
+        type_name = f"{self.type_module}.{self.type_qualname}"
+        message = (
+            f"{self.message}\n\n[metadist] {func_name}() raised {type_name} on worker "
+            f"{self.worker!r} (partition {index} of {count}). Remote traceback:\n{self.trace}"
+        )
+        exc: BaseException | None = None
+        exc_type: Any = sys.modules.get(self.type_module)
+        for part in self.type_qualname.split("."):
+            exc_type = getattr(exc_type, part, None)
+        if isinstance(exc_type, type) and issubclass(exc_type, Exception):
+            try:
+                exc = exc_type(message)
+            except Exception:
+                exc = None
+        if exc is None:
+            exc = RemoteError(message)
+        exc.worker_name = self.worker  # type: ignore[attr-defined]
+        exc.partition_index = index  # type: ignore[attr-defined]
+        exc.remote_type = type_name  # type: ignore[attr-defined]
+        exc.remote_traceback = self.trace  # type: ignore[attr-defined]
+        return exc

@@ -14,10 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# torch.utils._pytree is the pytree implementation torch.func itself uses; there is no public
-# equivalent in torch 2.13 (the brief allows it).
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_is_leaf, tree_unflatten
-
+from metadist._pytree import keystr, tree_flatten_with_path, tree_is_leaf, tree_unflatten
 from metadist.world import get_worker_id, get_world_size
 
 __all__ = [

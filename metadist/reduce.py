@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-# torch.utils._pytree: no public pytree API in torch 2.13 (see metadist.partition).
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = [
     "PartitionResults",
@@ -50,25 +49,41 @@ class PartitionResults(list[Any]):
 
     def __init__(self, items: Sequence[Any] = (), sizes: Sequence[int] | None = None) -> None:
         super().__init__(items)
-        if sizes is None:
-            self.sizes: tuple[int, ...] | None = None
-            return
-        if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
-            raise TypeError(
-                f"PartitionResults: sizes must be a sequence of ints or None, got {sizes!r}"
-            )
-        try:  # numpy and 0-dim tensor integers are fine, floats and bools are not
-            checked = tuple(_as_size(s) for s in sizes)
-        except TypeError:
-            raise TypeError(f"PartitionResults: sizes must hold ints, got {sizes!r}") from None
-        if len(checked) != len(self):
-            raise ValueError(
-                f"PartitionResults: sizes={checked!r} must give one size per result "
-                f"({len(self)} results)"
-            )
-        if any(s < 1 for s in checked):
-            raise ValueError(f"PartitionResults: sizes={checked!r} must all be >= 1")
-        self.sizes = checked
+        self.sizes = (
+            None if sizes is None else check_sizes(sizes, len(self), "PartitionResults: sizes")
+        )
+
+
+def check_sizes(sizes: Any, count: int, name: str, noun: str = "result") -> tuple[int, ...]:
+    """Validate per-partition batch sizes: ``count`` positive ints (numpy ints are fine).
+
+    Wrong sizes would silently skew a size-weighted mean, so they are refused where they enter:
+    here, for both :class:`PartitionResults` and a partitioner's ``Partitions.sizes``.
+
+    Args:
+        sizes: The sizes to check.
+        count: How many partitions (results) there are.
+        name: What the sizes are called, for the message.
+        noun: What each size counts ("result" or "partition"), for the message.
+
+    Returns:
+        The sizes as a tuple of ints.
+
+    Raises:
+        TypeError: ``sizes`` is not a sequence of ints.
+        ValueError: Not one positive size per partition.
+    """
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints or None, got {sizes!r}")
+    try:  # numpy and 0-dim tensor integers are fine, floats and bools are not
+        checked = tuple(_as_size(s) for s in sizes)
+    except TypeError:
+        raise TypeError(f"{name} must hold ints, got {sizes!r}") from None
+    if len(checked) != count:
+        raise ValueError(f"{name}={checked!r} must give one size per {noun} ({count} {noun}s)")
+    if any(s < 1 for s in checked):
+        raise ValueError(f"{name}={checked!r} must all be >= 1")
+    return checked
 
 
 def _as_size(size: Any) -> int:

@@ -27,21 +27,20 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import pickle
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
 from itertools import repeat
 from operator import is_
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 
-# torch.utils._pytree: no public pytree API in torch 2.13 (see metadist.partition).
-from torch.utils._pytree import (
-    SUPPORTED_NODES,
+from metadist._pytree import (
     keystr,
     tree_flatten,
     tree_flatten_with_path,
@@ -53,14 +52,12 @@ __all__ = [
     "CallMemo",
     "clear_module_cache",
     "compress_tree",
-    "current_context",
     "decode",
     "decompress_tree",
     "encode",
     "invalidate_module_cache",
     "mark_structure_confirmed",
     "resolve_compression",
-    "sends_grad",
 ]
 
 #: How many module structures a worker keeps (least recently used are evicted).
@@ -113,6 +110,23 @@ class _Compressed:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Compressed, (self.tensor, self.dtype))
+
+
+class _GradLeaf:
+    """A tensor that requires grad but travels detached (no autograd context or grad mode off).
+
+    RPC sends tensors without their ``requires_grad`` flag unless distributed autograd records
+    them; the worker sets it again, so code that differentiates locally inside the remote
+    function (an inner loop under the caller's ``torch.no_grad()``) works as it does locally.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor | _Compressed) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_GradLeaf, (self.tensor,))
 
 
 class _ModuleRef:
@@ -175,13 +189,13 @@ _Spec = tuple[_Slots, _Slots, _Slots]
 
 
 # Where a module sits in the arguments: (args, kwargs, leaf index); named only on errors.
-_Where = tuple[tuple[Any, ...], dict[str, Any], int]
+_ArgPosition = tuple[tuple[Any, ...], dict[str, Any], int]
 
 # Per module, every slot that decides the plan's shape, in order: parameter names and the object
 # in each slot (identity also decides which slots share a tensor), buffer names and which are
 # None (buffers are read by name per call, so replacing one needs no new plan), child names and
 # the child in each slot.
-_Check = tuple[
+_SlotIdentity = tuple[
     tuple[str, ...],
     tuple[nn.Parameter | None, ...],
     tuple[str, ...],
@@ -191,7 +205,7 @@ _Check = tuple[
 ]
 
 
-class _Plan:
+class _SendPlan:
     __slots__ = (
         "buffer_reads",
         "buffer_ties",
@@ -202,7 +216,7 @@ class _Plan:
         "submodules",
     )
 
-    def __init__(self, module: nn.Module, where: _Where) -> None:
+    def __init__(self, module: nn.Module, where: _ArgPosition) -> None:
         modules = list(module.modules())
         index = {id(m): i for i, m in enumerate(modules)}
         params: list[torch.Tensor] = []
@@ -216,7 +230,7 @@ class _Plan:
         param_reads: list[tuple[int, str, torch.Tensor]] = []
         buffer_reads: list[tuple[int, str]] = []
         specs: list[_Spec] = []
-        checks: list[_Check] = []
+        checks: list[_SlotIdentity] = []
         # Buffer slots sharing the tensor of an earlier slot: (module, name, first module, name).
         buffer_ties: list[tuple[int, str, int, str]] = []
         first_buffer: dict[int, tuple[int, str]] = {}
@@ -263,6 +277,13 @@ class _Plan:
         # The skeleton: a deep copy with every parameter and buffer replaced by None (the memo
         # makes deepcopy return None for them instead of copying their data).
         memo: dict[int, Any] = {id(t): None for t in (*params, *buffers)}
+        for m in modules:
+            # A tensor attribute computed from the parameters (weight_norm's ``weight``) is not
+            # a leaf and cannot be deep-copied; its value is recomputed before each forward,
+            # so the skeleton keeps a detached copy.
+            for value in vars(m).values():
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    memo[id(value)] = value.detach()
         try:
             skeleton = copy.deepcopy(module, memo)
             for m in skeleton.modules():  # sent per call: keep it out of the fingerprint
@@ -325,7 +346,7 @@ class _Plan:
         return True
 
 
-_PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[nn.Module, _SendPlan] = weakref.WeakKeyDictionary()
 _PLANS_LOCK = threading.Lock()
 
 # Structures each worker has confirmed (a call that carried them succeeded), per running world:
@@ -347,12 +368,6 @@ def invalidate_module_cache(module: nn.Module) -> None:
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
-
-    Example:
-        >>> from torch import nn
-        >>> model = nn.Dropout(0.1)
-        >>> model.p = 0.5
-        >>> invalidate_module_cache(model)
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"invalidate_module_cache: module must be an nn.Module, got {module!r}")
@@ -362,11 +377,7 @@ def invalidate_module_cache(module: nn.Module) -> None:
 
 
 def clear_module_cache() -> None:
-    """Forget every cached structure on this worker, as caller and as worker.
-
-    Example:
-        >>> clear_module_cache()
-    """
+    """Forget every cached structure on this worker, as caller and as worker."""
     with _PLANS_LOCK:
         _PLANS.clear()
         _CONFIRMED.clear()
@@ -374,13 +385,13 @@ def clear_module_cache() -> None:
         _STRUCTURES.clear()
 
 
-def _plan_for(module: nn.Module, where: _Where) -> tuple[_Plan, tuple[nn.Module, ...]]:
+def _plan_for(module: nn.Module, where: _ArgPosition) -> tuple[_SendPlan, tuple[nn.Module, ...]]:
     plan = _PLANS.get(module)
     if plan is not None:
         modules = plan.modules(module)
         if plan.still_valid(modules):
             return plan, modules
-    plan = _Plan(module, where)
+    plan = _SendPlan(module, where)
     with _PLANS_LOCK:
         _PLANS[module] = plan
     return plan, plan.modules(module)
@@ -392,10 +403,7 @@ def mark_structure_confirmed(world: object, worker: str, fingerprints: tuple[str
     Args:
         world: A token identifying the running world (structures do not outlive a world).
         worker: The worker's name.
-        fingerprints: Structure fingerprints the call carried.
-
-    Example:
-        >>> mark_structure_confirmed(object(), "worker1", ())
+        fingerprints: Structure fingerprints the call sent along.
     """
     if fingerprints:
         _CONFIRMED.setdefault(world, {}).setdefault(worker, set()).update(fingerprints)
@@ -420,35 +428,40 @@ def _wire(
 
 
 class CallMemo:
-    """Per-call memo so that a module or parameter used by several partitions is encoded once.
-
-    Example:
-        >>> memo = CallMemo()
-    """
+    """Per-call memo so that a module or parameter used by several partitions is encoded once."""
 
     __slots__ = ("modules", "tensors")
 
     def __init__(self) -> None:
-        self.modules: dict[int, tuple[_Plan, tuple[Any, ...]]] = {}
+        self.modules: dict[int, tuple[_SendPlan, tuple[Any, ...]]] = {}
         self.tensors: dict[int, Any] = {}
 
 
 def _encode_module(
-    module: nn.Module, where: _Where, dtype: torch.dtype | None, memo: CallMemo
+    module: nn.Module,
+    where: _ArgPosition,
+    dtype: torch.dtype | None,
+    memo: CallMemo,
+    attached: bool,
 ) -> Any:
     cached = memo.modules.get(id(module))
     if cached is not None:
         return cached
     plan, modules = _plan_for(module, where)
-    track = torch.is_grad_enabled()
     params: list[torch.Tensor] = []
     param_dtypes: list[torch.dtype] = []
     requires_grad = 0
-    for i, (_, _, p) in enumerate(plan.param_reads):
+    for i, (k, _, p) in enumerate(plan.param_reads):
         if p.requires_grad:
             requires_grad |= 1 << i
-        # A plain-tensor view of the parameter is what distributed autograd records.
-        t = p.view_as(p) if track and p.requires_grad else p.detach()
+        if attached and p.requires_grad:
+            # A non-leaf alias of the parameter is what distributed autograd records. view_as
+            # is the cheapest, but its backward reshapes, which sparse gradients (an
+            # nn.Embedding(sparse=True)) do not support; aten.alias passes them through.
+            sparse = getattr(modules[k], "sparse", False) is True
+            t = torch.ops.aten.alias.default(p) if sparse else p.view_as(p)
+        else:
+            t = p.detach()
         t, original = _wire(t, dtype)
         params.append(t)
         param_dtypes.append(original if original is not None else p.dtype)
@@ -480,35 +493,87 @@ def _encode_module(
 
 
 _SCALARS = (str, bytes, int, float, complex, bool, type(None))
+# Leaves that cannot hold a tensor: no need to look inside them.
+_PLAIN_LEAVES = (
+    *_SCALARS,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    slice,
+    range,
+    type(Ellipsis),
+    numpy.generic,
+)
 
 
-def _needs_encoding(obj: Any, dtype: torch.dtype | None) -> bool:
-    """Whether ``obj`` holds a module, a parameter or (with compression) a float tensor.
+def _needs_encoding(obj: Any, dtype: torch.dtype | None, attached: bool) -> bool:
+    """Whether ``obj`` holds a module, a parameter, a tensor that requires grad but travels
+    detached, (with compression) a float tensor, or an object pytree cannot look into.
 
-    A quick scan of plain containers; any other pytree container answers True so that the
-    full pytree walk decides.
+    A quick scan of plain containers; any other object answers True so that the full pytree
+    walk decides.
     """
     if isinstance(obj, torch.Tensor):
-        if isinstance(obj, nn.Parameter):
+        if isinstance(obj, nn.Parameter) or (obj.requires_grad and not attached):
             return True
         return dtype is not None and obj.is_floating_point() and obj.dtype != dtype
     kind = type(obj)
     # Explicit loops: this runs on every call and is faster than any() over a generator.
     if kind is tuple or kind is list:
         for item in obj:  # noqa: SIM110
-            if _needs_encoding(item, dtype):
+            if _needs_encoding(item, dtype, attached):
                 return True
         return False
     if kind is dict:
         for item in obj.values():  # noqa: SIM110
-            if _needs_encoding(item, dtype):
+            if _needs_encoding(item, dtype, attached):
                 return True
         return False
     if isinstance(obj, nn.Module):
         return True
-    if isinstance(obj, _SCALARS):
-        return False
-    return isinstance(obj, (tuple, list, dict)) or kind in SUPPORTED_NODES
+    return not _is_plain(obj)
+
+
+def _is_plain(obj: Any) -> bool:
+    if isinstance(obj, _PLAIN_LEAVES):
+        return True
+    return isinstance(obj, numpy.ndarray) and obj.dtype != object
+
+
+def _refuse_hidden_grad(obj: Any, where: _ArgPosition) -> None:
+    """Raise if ``obj``, a leaf pytree cannot look into, holds a tensor that requires grad.
+
+    RPC would pickle such a tensor detached, so its gradient (and its ``requires_grad`` flag)
+    would be lost without a word. The scan pickles ``obj`` with every tensor replaced by a
+    reference, so no tensor data is copied.
+    """
+    finder = _TensorFinder(io.BytesIO())
+    try:
+        finder.dump(obj)
+    except Exception:
+        return  # unpicklable: RPC itself reports it when sending
+    if finder.found:
+        raise TypeError(
+            f"argument {_leaf_name(*where)} ({type(obj).__qualname__}) holds a tensor that "
+            f"requires grad inside an object metadist cannot look into: it would arrive "
+            f"detached and its gradient would be lost. Register the class as a pytree node "
+            f"(torch.utils._pytree.register_dataclass for a dataclass, register_pytree_node "
+            f"otherwise), pass the tensor as an argument of its own, or detach it if no "
+            f"gradient is wanted"
+        )
+
+
+class _TensorFinder(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.found = False
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.found = self.found or obj.requires_grad
+            return id(obj)
+        return None
 
 
 def _leaf_name(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> str:
@@ -525,6 +590,7 @@ def encode(
     worker: str,
     dtype: torch.dtype | None,
     memo: CallMemo,
+    attached: bool = False,
 ) -> tuple[tuple[Any, ...], dict[str, Any], bool, tuple[str, ...]]:
     """Prepare one partition's arguments for the wire (caller side).
 
@@ -535,42 +601,47 @@ def encode(
         worker: Name of the destination worker.
         dtype: Wire dtype for compression, or ``None``.
         memo: The call's :class:`CallMemo`, shared by its partitions.
+        attached: Whether distributed autograd records the call (a context is open and grad
+            mode is on); otherwise tensors that require grad travel as detached leaves and get
+            ``requires_grad`` back on the worker.
 
     Returns:
-        ``(args, kwargs, needs_decode, carried)``: the arguments to send, whether the worker
-        must :func:`decode` them, and the fingerprints of structures sent along.
+        ``(args, kwargs, needs_decode, new_structures)``: the arguments to send, whether the worker
+        must :func:`decode` them, and the fingerprints of the structures sent along.
 
     Raises:
-        TypeError: A module argument cannot be pickled.
+        TypeError: A module argument cannot be pickled, or an object pytree cannot look into
+            holds a tensor that requires grad (it would arrive detached).
 
     Example:
         >>> import torch
         >>> encode((torch.ones(1),), {}, world=None, worker="w", dtype=None, memo=CallMemo())[2]
         False
     """
-    if not _needs_encoding(args, dtype) and not _needs_encoding(kwargs, dtype):
+    if not _needs_encoding(args, dtype, attached) and not _needs_encoding(kwargs, dtype, attached):
         return args, kwargs, False, ()  # the common fast path: nothing to rewrite
     leaves, spec = tree_flatten((args, kwargs))
     changed = False
-    carried: list[str] = []
+    new_structures: list[str] = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, nn.Module):
-            plan, parts = _encode_module(leaf, (args, kwargs, i), dtype, memo)
+            plan, parts = _encode_module(leaf, (args, kwargs, i), dtype, memo, attached)
             structure = None
             if not _is_confirmed(world, worker, plan.fingerprint):
                 structure = plan.structure
-                carried.append(plan.fingerprint)
+                new_structures.append(plan.fingerprint)
             leaves[i] = _ModuleRef(plan.fingerprint, structure, *parts)
             changed = True
         elif isinstance(leaf, torch.Tensor):
-            if isinstance(leaf, nn.Parameter):
+            if leaf.requires_grad and not attached:
+                t, original = _wire(leaf.detach(), dtype)
+                leaves[i] = _GradLeaf(t if original is None else _Compressed(t, original))
+                changed = True
+            elif isinstance(leaf, nn.Parameter):
                 wire = memo.tensors.get(id(leaf))
                 if wire is None:
-                    t = (
-                        leaf.view_as(leaf)
-                        if torch.is_grad_enabled() and leaf.requires_grad
-                        else (leaf.detach())
-                    )
+                    # A plain-tensor view is what distributed autograd links to the parameter.
+                    t = leaf.view_as(leaf) if leaf.requires_grad else leaf.detach()
                     t, original = _wire(t, dtype)
                     wire = memo.tensors[id(leaf)] = (
                         t if original is None else _Compressed(t, original)
@@ -580,17 +651,19 @@ def encode(
             elif dtype is not None and leaf.is_floating_point() and leaf.dtype != dtype:
                 leaves[i] = _Compressed(leaf.to(dtype), leaf.dtype)
                 changed = True
+        elif not _is_plain(leaf):
+            _refuse_hidden_grad(leaf, (args, kwargs, i))
     if not changed:
         return args, kwargs, False, ()
     new_args, new_kwargs = tree_unflatten(leaves, spec)
-    return new_args, new_kwargs, True, tuple(carried)
+    return new_args, new_kwargs, True, tuple(new_structures)
 
 
 # --------------------------------------------------------------------------------------------------
 # Worker side: cached structures and per-call module rebuilding
 
 
-class _Recipe:
+class _Rebuilder:
     """What a worker needs to build a fresh module per call from a cached structure."""
 
     __slots__ = ("bases", "classes", "specs")
@@ -622,19 +695,23 @@ class _Recipe:
             state["_modules"] = {n: (fresh[j] if j >= 0 else None) for n, j in c_slots}
             state["training"] = bool(training >> i & 1)
             object.__setattr__(module, "__dict__", state)
+            if isinstance(module, nn.RNNBase):
+                # RNNs keep a list of their weights (``_flat_weights``) that is filled when the
+                # module is made or its parameters are set; refresh it from this call's tensors.
+                module._init_flat_weights()
         return fresh[0]
 
 
-_STRUCTURES: OrderedDict[str, _Recipe] = OrderedDict()
+_STRUCTURES: OrderedDict[str, _Rebuilder] = OrderedDict()
 _STRUCTURES_LOCK = threading.Lock()
 
 
-def _recipe(fingerprint: str, structure: bytes | None) -> _Recipe:
+def _rebuilder(fingerprint: str, structure: bytes | None) -> _Rebuilder:
     with _STRUCTURES_LOCK:
-        recipe = _STRUCTURES.get(fingerprint)
-        if recipe is not None:
+        rebuilder = _STRUCTURES.get(fingerprint)
+        if rebuilder is not None:
             _STRUCTURES.move_to_end(fingerprint)
-            return recipe
+            return rebuilder
     if structure is None:
         raise RuntimeError(
             f"module structure {fingerprint} is not cached on this worker (it keeps the "
@@ -642,12 +719,12 @@ def _recipe(fingerprint: str, structure: bytes | None) -> _Recipe:
             f"metadist.transport.clear_module_cache() on the caller to resend structures"
         )
     skeleton, specs = pickle.loads(structure)
-    recipe = _Recipe(skeleton, specs)
+    rebuilder = _Rebuilder(skeleton, specs)
     with _STRUCTURES_LOCK:
-        _STRUCTURES[fingerprint] = recipe
+        _STRUCTURES[fingerprint] = rebuilder
         while len(_STRUCTURES) > STRUCTURE_CACHE_SIZE:
             _STRUCTURES.popitem(last=False)
-    return recipe
+    return rebuilder
 
 
 def _unwire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -655,7 +732,7 @@ def _unwire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _decode_module(ref: _ModuleRef) -> nn.Module:
-    recipe = _recipe(ref.fingerprint, ref.structure)
+    rebuilder = _rebuilder(ref.fingerprint, ref.structure)
     params = list(ref.params)
     if ref.param_dtypes is not None:
         params = [_unwire(t, d) for t, d in zip(params, ref.param_dtypes, strict=True)]
@@ -670,7 +747,7 @@ def _decode_module(ref: _ModuleRef) -> nn.Module:
             None if b is None else _unwire(b, d)
             for b, d in zip(buffers, ref.buffer_dtypes, strict=True)
         ]
-    return recipe.build(params, buffers, ref.training)
+    return rebuilder.build(params, buffers, ref.training)
 
 
 def decode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -684,7 +761,7 @@ def decode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ..
         The arguments the remote function is called with.
 
     Raises:
-        RuntimeError: A module structure is neither carried nor cached.
+        RuntimeError: A module structure is neither sent along nor cached.
 
     Example:
         >>> decode((1,), {"a": 2})
@@ -696,6 +773,11 @@ def decode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ..
             leaves[i] = _decode_module(leaf)
         elif isinstance(leaf, _Compressed):
             leaves[i] = _unwire(leaf.tensor, leaf.dtype)
+        elif isinstance(leaf, _GradLeaf):
+            t = leaf.tensor
+            if isinstance(t, _Compressed):
+                t = _unwire(t.tensor, t.dtype)
+            leaves[i] = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
     new_args, new_kwargs = tree_unflatten(leaves, spec)
     return new_args, new_kwargs
 
@@ -730,161 +812,9 @@ def decompress_tree(tree: Any) -> Any:
 
     Returns:
         The tree with tensors in their original dtypes.
-
-    Example:
-        >>> decompress_tree({"a": 1})
-        {'a': 1}
     """
     leaves, spec = tree_flatten(tree)
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, _Compressed):
             leaves[i] = _unwire(leaf.tensor, leaf.dtype)
     return tree_unflatten(leaves, spec)
-
-
-# --------------------------------------------------------------------------------------------------
-# Distributed autograd bookkeeping shared by metadist.api (writes) and metadist.autograd (reads)
-
-_LOCAL = threading.local()
-
-
-class _Received:
-    """Autograd nodes of the remote results received in one metadist context.
-
-    Every backward pass in the context must reach all of them, including those received before
-    an earlier pass (torch's distributed autograd, FAST mode, waits for the gradients of every
-    remote call made in the context), so they are kept until the context closes.
-    """
-
-    __slots__ = ("dangling", "freed", "nodes", "passed")
-
-    def __init__(self) -> None:
-        self.nodes: list[Any] = []
-        # Functions of calls that were sent tensors requiring grad but returned nothing
-        # differentiable: the workers' half of their graph can never be reached.
-        self.dangling: list[str] = []
-        # nodes[:passed] were reached by a completed backward pass; nodes[:freed] by one without
-        # retain_graph, which freed their graph (on the workers too).
-        self.passed = 0
-        self.freed = 0
-
-
-_RECEIVED: dict[int, _Received] = {}
-_RECEIVED_LOCK = threading.Lock()
-
-
-def current_context() -> int | None:
-    """Return the id of the innermost :func:`metadist.autograd.context` of this thread, if any.
-
-    Example:
-        >>> current_context() is None
-        True
-    """
-    stack: list[int] | None = getattr(_LOCAL, "stack", None)
-    return stack[-1] if stack else None
-
-
-def _push_context(context_id: int) -> None:
-    stack: list[int] | None = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    stack.append(context_id)
-
-
-def _pop_context(context_id: int) -> None:
-    stack: list[int] = _LOCAL.stack
-    stack.remove(context_id)
-    with _RECEIVED_LOCK:
-        _RECEIVED.pop(context_id, None)
-
-
-def _record_received(context_id: int, nodes: list[Any], dangling: Sequence[str] = ()) -> None:
-    if nodes or dangling:
-        with _RECEIVED_LOCK:
-            received = _RECEIVED.get(context_id)
-            if received is None:
-                received = _RECEIVED[context_id] = _Received()
-            received.nodes.extend(nodes)
-            received.dangling.extend(dangling)
-
-
-def _dangling(context_id: int) -> list[str]:
-    """Functions whose calls in the context can never receive their gradients."""
-    with _RECEIVED_LOCK:
-        received = _RECEIVED.get(context_id)
-        return [] if received is None else list(received.dangling)
-
-
-def sends_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether RPC would attach these arguments to distributed autograd.
-
-    Args:
-        args: Positional arguments of one partition.
-        kwargs: Keyword arguments of one partition.
-
-    Returns:
-        True when grad mode is on and a tensor (or a module's parameter) among them requires
-        grad.
-
-    Example:
-        >>> import torch
-        >>> sends_grad((torch.ones(1, requires_grad=True),), {})
-        True
-    """
-    if not torch.is_grad_enabled():
-        return False
-    leaves, _ = tree_flatten((args, kwargs))
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            return True
-        if isinstance(leaf, nn.Module) and any(p.requires_grad for p in leaf.parameters()):
-            return True
-    return False
-
-
-def _received(context_id: int) -> tuple[list[Any], int, int]:
-    """``(nodes, passed, freed)`` of the context (a snapshot; see :class:`_Received`)."""
-    with _RECEIVED_LOCK:
-        received = _RECEIVED.get(context_id)
-        if received is None:
-            return [], 0, 0
-        return list(received.nodes), received.passed, received.freed
-
-
-def _record_pass(context_id: int, reached: int, retain_graph: bool) -> None:
-    """Record that a pass completed, reaching the first ``reached`` nodes of the context."""
-    with _RECEIVED_LOCK:
-        received = _RECEIVED.get(context_id)
-        if received is not None:
-            received.passed = max(received.passed, reached)
-            if not retain_graph:
-                received.freed = max(received.freed, reached)
-
-
-def _grad_nodes(tree: Any) -> Iterator[Any]:
-    leaves, _ = tree_flatten(tree)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
-            yield leaf.grad_fn
-        elif isinstance(leaf, _Compressed) and leaf.tensor.grad_fn is not None:
-            yield leaf.tensor.grad_fn
-
-
-_PLAIN = (torch.Tensor, _Compressed, int, float, complex, str, bytes, type(None))
-
-
-def _surely_not_differentiable(tree: Any) -> bool:
-    """True only if no leaf of ``tree`` can hide a tensor that requires grad.
-
-    A leaf pytree cannot look into (a dataclass, a custom result class) might hold one, so it
-    makes the answer False: a false alarm would break correct code.
-    """
-    leaves, _ = tree_flatten(tree)
-    for leaf in leaves:
-        if not isinstance(leaf, _PLAIN):
-            return False
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            return False
-        if isinstance(leaf, _Compressed) and leaf.tensor.requires_grad:
-            return False
-    return True

@@ -23,7 +23,6 @@ from _dist import run_world
 from torch import nn
 
 from metadist import autograd as md_autograd
-from metadist import transport
 from metadist.api import remote_async_call, remote_sync_call
 from metadist.reduce import cat_reducer, mean_reducer, sum_reducer
 
@@ -157,7 +156,7 @@ def _world(rank: int, world_size: int) -> None:
         flush=True,
     )
     assert all(g < MAX_RSS_GROWTH for g in growth), (before, after)
-    assert not transport._RECEIVED, transport._RECEIVED  # per-context bookkeeping released
+    assert md_autograd._open_contexts() == 0  # per-context bookkeeping released
     # Releasing a context on the workers is a fire-and-forget message: allow it to arrive.
     deadline = time.monotonic() + 5.0
     while True:

@@ -1,0 +1,462 @@
+"""What distributing a small MAML step costs: metadist against plain torch and hand-written peers.
+
+The step is the sinusoid MAML of Finn et al.: a 1-40-40-1 MLP, 10 support and 10 query points
+per task, one inner SGD step (lr 0.01) vectorised over the tasks with ``torch.func.vmap``, a
+second-order meta-gradient and an Adam meta-step. Every variant computes the same mean loss over
+the same meta-batch, on one thread per process, and is timed per full step (forward, backward,
+meta-step):
+
+* ``plain``: one process, no RPC, ``loss.backward()``.
+* ``md W=1``: metadist in a world of 1 (``python script.py``): ``remote_sync_call`` with the
+  default partitioner, ``metadist.autograd.backward``.
+* ``md W=2``: the same call in a world of 2; rank 0 drives and computes its own half in-process.
+* ``raw W=2``: hand-written ``torch.distributed.rpc``: the tasks split in two, one ``rpc_async``
+  per worker (rank 0's own half included, as a plain fan-out does), parameters sent as
+  ``p.view_as(p)`` so that distributed autograd links them, ``dist_autograd.backward``.
+* ``spmd W=2``: the learn2learn pattern: each process computes the loss of its half, runs a
+  local backward and averages the gradients with ``all_reduce`` (Gloo), then steps its own copy.
+
+``plain``, ``md W=2`` and ``raw W=2`` run in one world of 2, interleaved round by round;
+``plain`` and ``md W=1`` in one process, interleaved; ``spmd W=2`` in its own pair of processes.
+The ratios printed are medians over rounds (each round: the median of ``--steps`` steps), with
+the spread (min-max over rounds). Each variant's meta-gradient is checked against ``plain``'s
+(relative error <= 1e-5). ``--plot`` saves speed-up against tasks per meta-batch.
+
+Run: ``python benchmarks/bench_overhead.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+import metadist
+from metadist.network import free_loopback_port
+
+INNER_LR = 0.01
+SHOTS = 10
+Params = dict[str, Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# The workload
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1)
+    )
+
+
+def make_batch(tasks: int) -> tuple[Tensor, ...]:
+    """``(xs, ys, xq, yq)``: support and query points of ``tasks`` sinusoids."""
+    g = torch.Generator().manual_seed(tasks)
+    amp = torch.empty(tasks, 1, 1).uniform_(0.1, 5.0, generator=g)
+    phase = torch.empty(tasks, 1, 1).uniform_(0.0, torch.pi, generator=g)
+    x = torch.empty(tasks, 2 * SHOTS, 1).uniform_(-5.0, 5.0, generator=g)
+    y = amp * torch.sin(x - phase)
+    return x[:, :SHOTS], y[:, :SHOTS], x[:, SHOTS:], y[:, SHOTS:]
+
+
+_MODEL = make_model()  # the architecture functional_call runs; its own tensors are never used
+
+
+def _task_loss(params: Params, xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor) -> Tensor:
+    def support_loss(p: Params) -> Tensor:
+        return nn.functional.mse_loss(functional_call(_MODEL, p, (xs,)), ys)
+
+    grads = grad(support_loss)(params)
+    adapted = {k: v - INNER_LR * grads[k] for k, v in params.items()}
+    return nn.functional.mse_loss(functional_call(_MODEL, adapted, (xq,)), yq)
+
+
+def meta_loss(params: Params, xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor) -> Tensor:
+    """Mean query loss after adaptation, over the tasks of the batch."""
+    return vmap(_task_loss, in_dims=(None, 0, 0, 0, 0))(params, xs, ys, xq, yq).mean()
+
+
+def module_meta_loss(model: nn.Module, xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor) -> Tensor:
+    """What metadist runs per partition: the model travels as a differentiable argument."""
+    return meta_loss(dict(model.named_parameters()), xs, ys, xq, yq)
+
+
+def tensors_meta_loss(
+    values: list[Tensor], xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor
+) -> Tensor:
+    """What the hand-written RPC version runs: parameters as a list of plain tensors."""
+    names = [name for name, _ in _MODEL.named_parameters()]
+    return meta_loss(dict(zip(names, values, strict=True)), xs, ys, xq, yq)
+
+
+def flat_grad(model: nn.Module) -> Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------------------------
+# One step of each variant (rank 0 / the single process drives)
+
+
+def step_plain(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
+    opt.zero_grad()
+    module_meta_loss(model, *batch).backward()
+    opt.step()
+
+
+def step_metadist(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
+    opt.zero_grad()
+    with metadist.autograd.context() as ctx:
+        loss = metadist.remote_sync_call(
+            module_meta_loss, args=(model, *batch), reducer=metadist.mean_reducer
+        )
+        metadist.autograd.backward(ctx, [loss])
+    opt.step()
+
+
+def step_raw(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
+    opt.zero_grad()
+    world = 2  # ranks 0 and 1
+    params = list(model.parameters())
+    with dist_autograd.context() as ctx:
+        chunks = [torch.tensor_split(t, world) for t in batch]
+        futures = [
+            rpc.rpc_async(
+                r,
+                tensors_meta_loss,
+                args=([p.view_as(p) for p in params], *(c[r] for c in chunks)),
+            )
+            for r in range(world)
+        ]
+        sizes = [len(c) for c in chunks[0]]
+        loss = sum(f.wait() * n for f, n in zip(futures, sizes, strict=True)) / sum(sizes)
+        dist_autograd.backward(ctx, [loss])
+        grads = dist_autograd.get_gradients(ctx)
+        for p in params:
+            p.grad = grads[p]
+    opt.step()
+
+
+STEPS: dict[str, Callable[[nn.Module, torch.optim.Optimizer, tuple[Tensor, ...]], None]] = {
+    "plain": step_plain,
+    "md W=1": step_metadist,
+    "md W=2": step_metadist,
+    "raw W=2": step_raw,
+}
+
+
+def reference_grad(tasks: int) -> Tensor:
+    model = make_model()
+    module_meta_loss(model, *make_batch(tasks)).backward()
+    return flat_grad(model)
+
+
+def check_grad(name: str, tasks: int, step: Callable[..., None]) -> float:
+    """Relative error of the variant's first meta-gradient against plain torch's."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    step(model, opt, make_batch(tasks))
+    ref = reference_grad(tasks)
+    err = float((flat_grad(model) - ref).norm() / ref.norm())
+    if err > 1e-5:
+        raise AssertionError(f"{name}, {tasks} tasks: meta-gradient relative error {err:.2e}")
+    return err
+
+
+def time_interleaved(
+    variants: list[str], tasks: int, steps: int, rounds: int
+) -> dict[str, list[float]]:
+    """Per variant, the median step time (ms) of each round; variants alternate every round."""
+    batch = make_batch(tasks)
+    setups = {}
+    for name in variants:
+        model = make_model()
+        setups[name] = (model, torch.optim.Adam(model.parameters(), lr=1e-3))
+        for _ in range(3):  # warm up
+            STEPS[name](*setups[name], batch)
+    out: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for name in order:
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                STEPS[name](*setups[name], batch)
+                times.append((time.perf_counter() - start) * 1e3)
+            out[name].append(statistics.median(times))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Worlds
+
+
+def _env(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+
+
+def _rpc_child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
+    _env(rank, 2, port)
+
+    @metadist.auto_init_rpc()
+    def main() -> None:
+        if rank != 0:
+            return
+        results: dict[str, Any] = {"times": {}, "errors": {}}
+        variants = ["plain", "md W=2", "raw W=2"]
+        for tasks in cfg["tasks"]:
+            for name in variants[1:]:
+                results["errors"][f"{name}/{tasks}"] = check_grad(name, tasks, STEPS[name])
+            results["times"][str(tasks)] = time_interleaved(
+                variants, tasks, cfg["steps"], cfg["rounds"]
+            )
+        Path(out).write_text(json.dumps(results))
+
+    main()
+
+
+def _world_of_one(cfg: dict[str, Any], out: str) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        os.environ.pop(name, None)
+    torch.set_num_threads(1)
+
+    @metadist.auto_init_rpc()
+    def main() -> None:
+        results: dict[str, Any] = {"times": {}, "errors": {}}
+        for tasks in cfg["tasks"]:
+            results["errors"][f"md W=1/{tasks}"] = check_grad("md W=1", tasks, step_metadist)
+            results["times"][str(tasks)] = time_interleaved(
+                ["plain", "md W=1"], tasks, cfg["steps"], cfg["rounds"]
+            )
+        Path(out).write_text(json.dumps(results))
+
+    main()
+
+
+def _spmd_child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
+    _env(rank, 2, port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results: dict[str, Any] = {"times": {}, "errors": {}}
+        for tasks in cfg["tasks"]:
+            half = [torch.tensor_split(t, 2)[rank] for t in make_batch(tasks)]
+            weight = len(half[0]) / tasks  # the global mean, whatever the split
+
+            def step(
+                model: nn.Module, opt: torch.optim.Optimizer, half=half, weight=weight
+            ) -> None:
+                opt.zero_grad()
+                (module_meta_loss(model, *half) * weight).backward()
+                flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+                dist.all_reduce(flat)
+                offset = 0
+                for p in model.parameters():
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                opt.step()
+
+            model = make_model()
+            step(model, torch.optim.SGD(model.parameters(), lr=0.0))
+            ref = reference_grad(tasks)
+            results["errors"][f"spmd W=2/{tasks}"] = float(
+                (flat_grad(model) - ref).norm() / ref.norm()
+            )
+            model = make_model()
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            for _ in range(3):
+                step(model, opt)
+            rounds = []
+            for _ in range(cfg["rounds"]):
+                times = []
+                for _ in range(cfg["steps"]):
+                    dist.barrier()  # both start together, as in a training loop's lockstep
+                    start = time.perf_counter()
+                    step(model, opt)
+                    times.append((time.perf_counter() - start) * 1e3)
+                rounds.append(statistics.median(times))
+            results["times"][str(tasks)] = {"spmd W=2": rounds}
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn: Callable[..., None], cfg: dict[str, Any], out: str) -> None:
+    mp.start_processes(fn, args=(free_loopback_port(), cfg, out), nprocs=2, start_method="spawn")
+
+
+def _single(cfg: dict[str, Any], out: str) -> None:
+    context = mp.get_context("spawn")
+    process = context.Process(target=_world_of_one, args=(cfg, out))
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(f"world of 1 failed with exit code {process.exitcode}")
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+def _merge(
+    parts: list[dict[str, Any]],
+) -> tuple[dict[int, dict[str, list[float]]], dict[str, float]]:
+    times: dict[int, dict[str, list[float]]] = {}
+    errors: dict[str, float] = {}
+    for part in parts:
+        errors.update(part["errors"])
+        for tasks, per in part["times"].items():
+            for name, rounds in per.items():
+                key = name if name != "plain" or "md W=1" not in per else "plain (1)"
+                times.setdefault(int(tasks), {})[key] = rounds
+    return times, errors
+
+
+def _ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Median and spread of the per-round ratios a/b (rounds were interleaved)."""
+    ratios = (
+        [x / y for x, y in zip(a, b, strict=True)]
+        if len(a) == len(b)
+        else [statistics.median(a) / statistics.median(b)]
+    )
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -> list[str]:
+    lines = []
+    names = ["plain", "md W=1", "md W=2", "raw W=2", "spmd W=2"]
+    header = f"{'tasks':>5} " + " ".join(f"{n:>16}" for n in names)
+    lines.append("ms per step, median over rounds [min-max]; (speed-up over plain)")
+    lines.append(header)
+    for tasks in sorted(times):
+        per = times[tasks]
+        plain = statistics.median(per["plain"])
+        cells = []
+        for name in names:
+            rounds = per.get(name)
+            if rounds is None:
+                cells.append(f"{'-':>16}")
+                continue
+            med = statistics.median(rounds)
+            cells.append(f"{med:6.2f} ({plain / med:4.2f}x)".rjust(16))
+        lines.append(f"{tasks:>5} " + " ".join(cells))
+    lines.append("")
+    lines.append("targets (ratios of interleaved rounds: median [min-max])")
+
+    def show(label: str, value: tuple[float, float, float], target: str, ok: bool) -> None:
+        med, lo, hi = value
+        lines.append(
+            f"  {label:<46} {med:5.2f} [{lo:4.2f}-{hi:4.2f}]  target {target:<7} "
+            f"{'met' if ok else 'MISSED'}"
+        )
+
+    for tasks in sorted(times):
+        per = times[tasks]
+        if tasks == 25 and "md W=1" in per:
+            r = _ratio(per["md W=1"], per["plain (1)"])
+            show("md W=1 / plain (25 tasks)", r, "<= 1.15", r[0] <= 1.15)
+        if tasks in (25, 100):
+            r = _ratio(per["raw W=2"], per["md W=2"])
+            show(f"raw W=2 / md W=2 ({tasks} tasks)", r, ">= 1.3", r[0] >= 1.3)
+        if tasks == 400:
+            r = _ratio(per["plain"], per["md W=2"])
+            show("plain / md W=2 (400 tasks)", r, ">= 1.2", r[0] >= 1.2)
+    even = [t for t in sorted(times) if _ratio(times[t]["plain"], times[t]["md W=2"])[0] >= 1.0]
+    lines.append(
+        f"  md W=2 breaks even with plain from {even[0] if even else 'beyond'} tasks "
+        f"(target <= 150)"
+    )
+    lines.append("")
+    worst = max(errors.values()) if errors else float("nan")
+    lines.append(f"meta-gradients equal plain torch's: max relative error {worst:.1e} (<= 1e-5)")
+    return lines
+
+
+def plot(times: dict[int, dict[str, list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted(times)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, style in (("md W=2", "o-"), ("spmd W=2", "s--"), ("raw W=2", "^:"), ("md W=1", "x-")):
+        if all(name in times[t] for t in tasks):
+            ref = "plain (1)" if name == "md W=1" else "plain"
+            speedup = [
+                statistics.median(times[t][ref]) / statistics.median(times[t][name]) for t in tasks
+            ]
+            ax.plot(tasks, speedup, style, label=name)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xticks(tasks, [str(t) for t in tasks])
+    ax.set_xlabel("tasks per meta-batch")
+    ax.set_ylabel("speed-up over plain torch")
+    ax.set_title("Sinusoid MAML step, 2-core CPU, 1 thread per process")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="25,50,100,150,200,400", help="meta-batch sizes")
+    parser.add_argument("--steps", type=int, default=15, help="steps per round and variant")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: few sizes and steps")
+    parser.add_argument("--plot", type=Path, help="save the speed-up plot (PNG) here")
+    args = parser.parse_args()
+    cfg = {
+        "tasks": [int(t) for t in args.tasks.split(",")],
+        "steps": args.steps,
+        "rounds": args.rounds,
+    }
+    if args.quick:
+        cfg = {"tasks": [25, 400], "steps": 3, "rounds": 2}
+    print(
+        f"sinusoid MAML step (1-40-40-1 MLP, {SHOTS}+{SHOTS} points, 1 inner step, second order); "
+        f"torch {torch.__version__}, {os.cpu_count()} cores, 1 thread per process; "
+        f"{cfg['rounds']} rounds x {cfg['steps']} steps",
+        flush=True,
+    )
+    parts = []
+    with tempfile.TemporaryDirectory() as folder:
+        for i, run in enumerate(
+            (_single, lambda c, o: _spawn(_rpc_child, c, o), lambda c, o: _spawn(_spmd_child, c, o))
+        ):
+            out = os.path.join(folder, f"{i}.json")
+            run(cfg, out)
+            parts.append(json.loads(Path(out).read_text()))
+    times, errors = _merge(parts)
+    print("\n".join(report(times, errors)))
+    if args.plot:
+        plot(times, args.plot)
+        print(f"plot saved to {args.plot}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

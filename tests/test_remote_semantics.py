@@ -1,0 +1,355 @@
+"""Remote == local: values and gradients of remote calls equal the same code run in one process.
+
+One spawned world of 3 (rank 0 drives, its own partitions run in-process) runs every scenario;
+each reports under its own test id. Scenarios cover the in-process partition, the backward
+overlap, chained calls, partial use of results, RNN / normalised / sparse module arguments,
+``requires_grad`` under ``no_grad`` and ``inference_mode``, containers pytree cannot open,
+results holding parameters, and errors of local and timed-out partitions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _dist import Scenarios, run_scenarios
+from torch import nn
+from torch.utils._pytree import register_dataclass
+
+import metadist as md
+from metadist import autograd as mag
+
+# ------------------------------------------------------------------------------------------
+# Remote functions (module level: workers import them by name)
+
+
+def weighted(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (w * x).sum()
+
+
+def times_three_sum(w: torch.Tensor) -> torch.Tensor:
+    return (w * 3.0).sum()
+
+
+def square(m: torch.Tensor) -> torch.Tensor:
+    return m * m
+
+
+def fresh_leaf(w: torch.Tensor) -> torch.Tensor:
+    return torch.ones(2, requires_grad=True) * 2.0  # ignores w
+
+
+def loss_and_aux(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (w * x).sum(), w * 10.0
+
+
+def run_module(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = m(x)
+    return (out[0] if isinstance(out, tuple) else out).pow(2).sum()
+
+
+def adapt(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():
+        return torch.autograd.grad((p["w"] * x).sum(), [p["w"]])[0]
+
+
+def flags(x: Any) -> list[bool]:
+    leaves, _ = torch.utils._pytree.tree_flatten(x)
+    return [t.requires_grad for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def slow(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(3.0)
+    return x
+
+
+def fail_on_rank(x: torch.Tensor) -> torch.Tensor:
+    raise ValueError(f"bad chunk of {len(x)} on {md.get_worker_name()}")
+
+
+THREADS: list[int] = []
+
+
+def record_thread(x: torch.Tensor) -> torch.Tensor:
+    THREADS.append(threading.get_ident())
+    return x + 1
+
+
+STAMPS: list[tuple[str, float]] = []
+
+
+def stamped_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    h = model(x)
+    h.register_hook(lambda g: STAMPS.append(("end", time.time())) or g)
+    out = h
+    for _ in range(200):  # a backward long enough to see whether the other worker's overlaps it
+        out = torch.tanh(out @ torch.eye(out.shape[-1]))
+    out.register_hook(lambda g: STAMPS.append(("start", time.time())) or g)
+    return out.pow(2).mean()
+
+
+def stamps() -> dict[str, float]:
+    return dict(STAMPS)
+
+
+@dataclasses.dataclass
+class Box:
+    w: torch.Tensor
+
+
+@dataclasses.dataclass
+class OpenBox:
+    w: torch.Tensor
+
+
+register_dataclass(OpenBox, field_names=["w"])
+
+
+def box_loss(b: Box | OpenBox, x: torch.Tensor) -> torch.Tensor:
+    return (b.w * x).sum()
+
+
+def returns_parameter(x: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(x.clone())
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    err = float((a - b).norm() / b.norm().clamp_min(1e-12))
+    assert err <= 1e-5, f"{what}: relative error {err:.2e}\nremote {a}\nlocal  {b}"
+
+
+def grads_of(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in module.parameters()]  # type: ignore[union-attr]
+
+
+def remote_vs_local(
+    make: Callable[[], nn.Module], x: torch.Tensor, partitioner: Any, what: str
+) -> None:
+    torch.manual_seed(0)
+    remote_model = make()
+    local_model = make()
+    local_model.load_state_dict(remote_model.state_dict())
+    with mag.context() as ctx:
+        losses = md.remote_sync_call(run_module, args=(remote_model, x), partitioner=partitioner)
+        mag.backward(ctx, [sum(losses)])
+    local = sum(run_module(local_model, c) for c in [x])
+    local.backward()
+    assert_close(sum(losses).detach(), local.detach(), f"{what} value")
+    for a, b in zip(grads_of(remote_model), grads_of(local_model), strict=True):
+        assert_close(a, b, f"{what} gradient")
+
+
+# ------------------------------------------------------------------------------------------
+# Scenarios (run on rank 0 of a world of 3)
+
+
+def own_partition_runs_in_process(world_size: int) -> None:
+    THREADS.clear()
+    out = md.remote_sync_call(record_thread, args=(torch.zeros(2),), partitioner=0)
+    assert [threading.get_ident()] == THREADS, "the caller's partition left this thread"
+    assert torch.equal(out[0], torch.ones(2))
+
+
+def mixed_partitions_equal_local(world_size: int) -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(10, 4)
+    for partitioner in (None, md.dim_partitioner(0, exclusive=True)):
+        model.zero_grad()
+        ref.zero_grad()
+        with mag.context() as ctx:
+            loss = md.remote_sync_call(
+                run_module, args=(model, x), partitioner=partitioner, reducer=md.sum_reducer
+            )
+            mag.backward(ctx, [loss])
+        expected = run_module(ref, x)
+        expected.backward()
+        assert_close(loss.detach(), expected.detach(), "value")
+        for a, b in zip(grads_of(model), grads_of(ref), strict=True):
+            assert_close(a, b, "gradient")
+
+
+def remote_backward_overlaps_local_backward(world_size: int) -> None:
+    torch.manual_seed(2)
+    model = nn.Linear(64, 64)
+    x = torch.randn(64, 64)
+    for _ in range(3):
+        md.remote_sync_call(stamps, partitioner=1)  # warm up
+        STAMPS.clear()
+        with mag.context() as ctx:
+            loss = md.remote_sync_call(
+                stamped_loss,
+                args=(model, x),
+                partitioner=md.dim_partitioner(0, workers=[0, 1]),
+                reducer=md.mean_reducer,
+            )
+            mag.backward(ctx, [loss])
+        local = stamps()
+        (remote,) = md.remote_sync_call(stamps, partitioner=1)
+        # torch would run the node that sends worker 1 its gradients only after the caller's
+        # whole partition; metadist sends them first, so worker 1 starts before rank 0 is done
+        assert remote["start"] < local["end"], (remote, local)
+
+
+def chained_calls_are_differentiable(world_size: int) -> None:
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    with mag.context() as ctx:
+        m = md.remote_sync_call(times_three_sum, args=(w,), partitioner=1, reducer=md.mean_reducer)
+        (o,) = md.remote_sync_call(square, args=(m,), partitioner=2)
+        (g,) = mag.grad(ctx, o, [w])
+    assert g.tolist() == [54.0, 54.0]
+
+
+def fresh_leaf_result_does_not_hang(world_size: int) -> None:
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    with mag.context() as ctx:
+        (a,) = md.remote_sync_call(weighted, args=(w, torch.tensor([3.0, 4.0])), partitioner=1)
+        (b,) = md.remote_sync_call(fresh_leaf, args=(w,), partitioner=2)
+        (g,) = mag.grad(ctx, a + b.sum(), [w])
+    assert g.tolist() == [3.0, 4.0]  # the fresh leaf contributes nothing, as locally
+
+
+def one_of_several_results_is_enough(world_size: int) -> None:
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    with mag.context() as ctx:
+        ((loss, aux),) = md.remote_sync_call(
+            loss_and_aux, args=(w, torch.tensor([3.0, 4.0])), partitioner=1
+        )
+        (g,) = mag.grad(ctx, loss, [w])
+    assert aux.requires_grad
+    assert g.tolist() == [3.0, 4.0]
+
+
+def rnn_modules_equal_local(world_size: int) -> None:
+    x = torch.randn(4, 5, 3)
+    for cls in (nn.LSTM, nn.GRU, nn.RNN):
+        remote_vs_local(lambda cls=cls: cls(3, 4, batch_first=True), x, 1, cls.__name__)
+        remote_vs_local(lambda cls=cls: cls(3, 4, batch_first=True), x, None, cls.__name__)
+
+
+def normalised_modules_equal_local(world_size: int) -> None:
+    x = torch.randn(6, 3)
+    remote_vs_local(lambda: nn.utils.weight_norm(nn.Linear(3, 2)), x, 1, "weight_norm")
+    # spectral_norm updates its power-iteration buffers in place in training mode, which a
+    # remote copy cannot send back: compare in eval mode, where it only reads them
+    remote_vs_local(lambda: nn.utils.spectral_norm(nn.Linear(3, 2)).eval(), x, 1, "spectral_norm")
+
+
+def parametrized_module_is_refused_before_sending(world_size: int) -> None:
+    from torch.nn.utils import parametrizations
+
+    model = parametrizations.orthogonal(nn.Linear(3, 3))
+    with pytest.raises(TypeError, match=r"args\[0\] \(ParametrizedLinear\) cannot be sent"):
+        md.remote_sync_call(run_module, args=(model, torch.randn(2, 3)), partitioner=1)
+
+
+def sparse_embedding_gradient_equals_local(world_size: int) -> None:
+    torch.manual_seed(3)
+    remote_vs_local(lambda: nn.Embedding(10, 3, sparse=True), torch.tensor([[1, 2, 4]]), 1, "emb")
+
+
+def requires_grad_arrives_as_sent(world_size: int) -> None:
+    x = torch.arange(3.0)
+    for mode in (torch.no_grad, torch.enable_grad):  # inference mode forbids autograd.grad
+        with mode():
+            p = {"w": nn.Parameter(torch.ones(3))}
+            (remote,) = md.remote_sync_call(adapt, args=(p, x), partitioner=1)
+            assert remote.tolist() == adapt(p, x).tolist() == [0.0, 1.0, 2.0], mode
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        plain = torch.ones(2, requires_grad=True)
+        param = nn.Parameter(torch.ones(2))
+        with mode():
+            args = ([plain, torch.ones(1), param, nn.Linear(2, 2)],)
+            (got,) = md.remote_sync_call(flags, args=args, partitioner=1)
+        assert got == [True, False, True], (mode, got)  # a module is not a tensor leaf
+    with mag.context(), torch.no_grad():
+        args = ([torch.ones(2, requires_grad=True)],)
+        (got,) = md.remote_sync_call(flags, args=args, partitioner=2)
+    assert got == [True]
+
+
+def hidden_grad_tensor_is_refused(world_size: int) -> None:
+    w = nn.Parameter(torch.ones(3))
+    with mag.context(), pytest.raises(TypeError, match=r"args\[0\] \(Box\) holds a tensor") as info:
+        md.remote_sync_call(box_loss, args=(Box(w), torch.arange(3.0)), partitioner=1)
+    assert "register_dataclass" in str(info.value)
+    # registered with pytree, the same container is carried differentiably
+    with mag.context() as ctx:
+        (loss,) = md.remote_sync_call(box_loss, args=(OpenBox(w), torch.arange(3.0)), partitioner=1)
+        mag.backward(ctx, [loss])
+    assert w.grad is not None
+    assert w.grad.tolist() == [0.0, 1.0, 2.0]
+    # a detached tensor in an opaque object is fine: there is no gradient to lose
+    args = (Box(torch.ones(3)), torch.arange(3.0))
+    (value,) = md.remote_sync_call(box_loss, args=args, partitioner=1)
+    assert value.item() == 3.0
+
+
+def result_holding_a_parameter_is_refused(world_size: int) -> None:
+    for partitioner in (0, 1):  # in-process and remote alike
+        with pytest.raises(TypeError, match=r"an nn.Parameter .*named_parameters") as info:
+            md.remote_sync_call(returns_parameter, args=(torch.ones(2),), partitioner=partitioner)
+        assert info.value.partition_index == 0  # type: ignore[attr-defined]
+
+
+def local_and_remote_errors_look_alike(world_size: int) -> None:
+    with pytest.raises(ValueError, match=r"bad chunk of 2 on worker0") as info:
+        md.remote_sync_call(fail_on_rank, args=(torch.ones(6),))
+    error = info.value
+    assert error.partition_index == 0  # type: ignore[attr-defined]
+    assert error.worker_name == "worker0"  # type: ignore[attr-defined]
+    assert "partition 0 of 3" in str(error)
+    assert "Remote traceback" in str(error)
+    notes = "".join(getattr(error, "__notes__", []))
+    assert "partition 1 (ValueError), partition 2 (ValueError)" in notes, notes
+
+
+def timeouts_name_their_partition(world_size: int) -> None:
+    workers = md.dim_partitioner(0, workers=[1, 2])
+    with pytest.raises(TimeoutError) as info:
+        md.remote_sync_call(slow, args=(torch.ones(3),), partitioner=workers, timeout=0.5)
+    assert info.value.partition_index == 0  # type: ignore[attr-defined]
+    assert info.value.worker_name == "worker1"  # type: ignore[attr-defined]
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "partition 1 (TimeoutError)" in notes, notes
+
+
+SCENARIOS = [
+    own_partition_runs_in_process,
+    mixed_partitions_equal_local,
+    remote_backward_overlaps_local_backward,
+    chained_calls_are_differentiable,
+    fresh_leaf_result_does_not_hang,
+    one_of_several_results_is_enough,
+    rnn_modules_equal_local,
+    normalised_modules_equal_local,
+    parametrized_module_is_refused_before_sending,
+    sparse_embedding_gradient_equals_local,
+    requires_grad_arrives_as_sent,
+    hidden_grad_tensor_is_refused,
+    result_holding_a_parameter_is_refused,
+    local_and_remote_errors_look_alike,
+    timeouts_name_their_partition,
+]
+
+
+@pytest.fixture(scope="module")
+def world() -> Scenarios:
+    return run_scenarios(SCENARIOS, 3, timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [s.__name__ for s in SCENARIOS])
+def test_remote_equals_local(world: Scenarios, name: str) -> None:
+    world.check(name)
