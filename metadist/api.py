@@ -8,9 +8,11 @@ differentiable, including ``nn.Module`` arguments (see :mod:`metadist.transport`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import pickle
+import queue
 import sys
 import threading
 import types
@@ -275,7 +277,7 @@ def _check_partitioner(partitioner: Any) -> None:
 
 def _partitions(
     partitioner: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]
-) -> tuple[list[tuple[str, tuple[Any, ...], dict[str, Any]]], tuple[int, ...] | None]:
+) -> tuple[list[tuple[str, tuple[Any, ...], dict[str, Any]]], tuple[int, ...] | None, str]:
     _check_partitioner(partitioner)
     if partitioner is None:
         partitioner = batch_partitioner
@@ -284,7 +286,7 @@ def _partitions(
             worker_id = get_worker_id(partitioner)
         except (TypeError, ValueError) as error:
             raise type(error)(f"partitioner={partitioner!r}: {error}") from None
-        return [(names[worker_id], args, kwargs)], None
+        return [(names[worker_id], args, kwargs)], None, "static"
     raw = partitioner(*args, **kwargs)
     name = getattr(partitioner, "__qualname__", repr(partitioner))
     if not isinstance(raw, (list, tuple)):
@@ -325,7 +327,7 @@ def _partitions(
             f"partitioner {name} returned {len(parts)} partitions: Partitions.sizes",
             "partition",
         )
-    return parts, sizes
+    return parts, sizes, getattr(raw, "schedule", "static")
 
 
 def _located(error: BaseException, worker: str, index: int) -> BaseException:
@@ -358,23 +360,42 @@ def _rpc_error(
     )
 
 
-class _Call:
-    """The partitions of one remote call in flight, and how to turn them into its result.
+#: Partitions a synchronous call keeps in flight on each remote worker; the others wait on the
+#: caller until one finishes. Two keep a worker busy while the caller hands it the next one,
+#: and bound how many RPC threads one call can hold on a worker, so that nested calls of any
+#: width find a free thread.
+IN_FLIGHT_PER_WORKER = 2
 
-    Partitions whose worker is the caller itself ran already, in-process (``local``); the
-    others are RPC futures.
+
+class _Call:
+    """The partitions of one remote call, and how to turn them into its result.
+
+    Partitions whose worker is the caller itself run in-process, on the calling thread
+    (``local`` holds their outcomes); the others are RPC futures. An asynchronous call sends
+    every remote partition at once; a synchronous one sends at most
+    :data:`IN_FLIGHT_PER_WORKER` per worker and the next as each one finishes (for a dynamic
+    schedule, to whichever worker finished), from the calling thread, which also holds the
+    distributed autograd context.
     """
 
     __slots__ = (
+        "arrivals",
         "compression",
         "context_id",
         "differentiable",
+        "dynamic",
+        "encoded",
+        "func",
         "func_name",
         "futures",
         "grad_mode",
+        "in_flight",
         "input_nodes",
         "local",
         "new_structures",
+        "own",
+        "parts",
+        "queues",
         "reducer",
         "sizes",
         "timeout",
@@ -398,6 +419,101 @@ class _Call:
         self.world_token: object = None
         self.context_id = autograd.current_context()
         self.grad_mode = _grad_mode()
+        self.func: Any = None
+        self.own = ""
+        self.parts: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.encoded: dict[int, tuple[Any, ...]] = {}
+        self.dynamic = False
+        # Partitions waiting to be sent, per worker (a dynamic schedule has one shared queue,
+        # keyed ""); the caller's own partitions wait under its own name.
+        self.queues: dict[str, collections.deque[int]] = {}
+        self.in_flight: dict[str, int] = {}
+        self.arrivals: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def send(self, index: int, worker: str) -> None:
+        """Send partition ``index`` to ``worker`` (encoded already)."""
+        self.workers[index] = worker
+        e_args, e_kwargs, needs_decode, self.new_structures[index] = self.encoded.pop(index)
+        try:
+            future = rpc.rpc_async(
+                worker,
+                _run_partition,
+                args=(self.func, e_args, e_kwargs, needs_decode, self.compression, self.grad_mode),
+                timeout=self.timeout,
+            )
+        except Exception as error:
+            future = Future()
+            future.set_exception(error)
+        self.futures[index] = future
+        self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
+        future.add_done_callback(lambda _, index=index: self.arrivals.put(index))
+
+    def run_here(self, index: int) -> None:
+        """Run partition ``index`` in-process, as its worker would (errors included)."""
+        self.workers[index] = self.own
+        _, args, kwargs = self.parts[index]
+        try:
+            result = getattr(self.func, _ORIGINAL, self.func)(*args, **kwargs)
+            _finish_result(result, [])
+        except Exception as error:
+            failure = RemoteFailure.capture(error, self.own, "call")
+            raised = failure.to_exception(index, len(self.parts), self.func_name)
+            raised.__cause__ = error
+            self.local[index] = (False, raised)
+        else:
+            self.local[index] = (True, result)
+
+    def _next_for(self, worker: str) -> int | None:
+        pending = self.queues.get("" if self.dynamic else worker)
+        return pending.popleft() if pending else None
+
+    def fill(self, worker: str) -> None:
+        """Send ``worker`` its next partitions, up to the in-flight bound."""
+        while self.in_flight.get(worker, 0) < IN_FLIGHT_PER_WORKER:
+            index = self._next_for(worker)
+            if index is None:
+                return
+            self.send(index, worker)
+
+    def drive(self, remote_workers: list[str], runs_here: bool) -> None:
+        """Send and run every partition; return when none is left to start or in flight."""
+        for worker in remote_workers:
+            self.fill(worker)
+        while True:
+            while True:  # hand out the slots that finished partitions freed
+                try:
+                    done = self.arrivals.get_nowait()
+                except queue.Empty:
+                    break
+                worker = self.workers[done]
+                self.in_flight[worker] -= 1
+                self.fill(worker)
+            if runs_here:
+                index = self._next_for(self.own)
+                if index is not None:
+                    self.run_here(index)
+                    continue
+            if not any(self.in_flight.values()):
+                return
+            self.arrivals.put(self._wait_for_arrival())
+
+    def _wait_for_arrival(self) -> int:
+        """Block until a partition in flight finishes; never forever unless asked to."""
+        if self.timeout == 0:  # timeout=None: the user asked to wait as long as it takes
+            return self.arrivals.get()
+        limit = rpc.get_rpc_timeout() if self.timeout < 0 else self.timeout  # type: ignore[attr-defined]
+        try:
+            # torch reports a timed-out partition itself; the margin covers its timer.
+            return self.arrivals.get(timeout=limit + 5.0)
+        except queue.Empty:
+            busy = sorted(w for w, n in self.in_flight.items() if n)
+            raise TimeoutError(
+                f"{self.func_name}(): partitions on {', '.join(map(repr, busy))} did not finish "
+                f"within the timeout of {limit} s and RPC did not report them: every RPC thread "
+                f"of those workers is probably blocked in a nested synchronous call. Raise the "
+                f"thread pool (rpc_backend_options.num_worker_threads, 16 by default), or make "
+                f"fewer nested calls at a time"
+            ) from None
 
     def _outcome(self, index: int) -> tuple[bool, Any]:
         """``(True, value)`` of one partition, or ``(False, exception to raise)``."""
@@ -486,8 +602,15 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     reducer: Reducer | None,
     timeout: float | None,
     compression: str | None,
+    *,
+    sync: bool,
     api: str = "metadist.remote_async_call",
 ) -> _Call:
+    """Check the arguments, partition them, and send (or, in-process, run) every partition.
+
+    A synchronous call returns once every partition has finished; an asynchronous one as soon
+    as the remote partitions are sent and its own ones have run.
+    """
     require_rpc(api)
     sendable = _sendable(func)
     if args is None:
@@ -502,65 +625,55 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     rpc_timeout = _resolve_timeout(timeout)
     dtype = transport.resolve_compression(compression)
     names = get_worker_names()
-    parts, sizes = _partitions(partitioner, tuple(args), kwargs, names)
+    parts, sizes, schedule = _partitions(partitioner, tuple(args), kwargs, names)
     own = get_worker_name()
 
     call = _Call(
         getattr(func, "__qualname__", None) or type(func).__name__, [n for n, _, _ in parts]
     )
     call.sizes, call.reducer, call.compression, call.timeout = sizes, reducer, dtype, rpc_timeout
-    remote = [i for i, (name, _, _) in enumerate(parts) if name != own]
+    call.func, call.own, call.parts = sendable, own, parts
+    # A dynamic schedule decides the workers as they free up (synchronous calls only: only the
+    # calling thread holds the distributed autograd context the sends must carry).
+    call.dynamic = sync and schedule == "dynamic" and len(parts) > 1
+    workers = list(dict.fromkeys(name for name, _, _ in parts))
+    remote = [i for i, (name, _, _) in enumerate(parts) if call.dynamic or name != own]
     if remote:
         call.world_token = world.world_token()
-        # RPC attaches these partitions to the distributed autograd context: their results must
-        # come back differentiable, or no backward pass in the context can finish (checked
-        # there). Only then does a partition's argument graph matter (see autograd).
+        # RPC attaches these partitions to the distributed autograd context; their argument
+        # graphs let a backward pass follow results sent on to further calls (see autograd).
         attached = call.context_id is not None and call.grad_mode == _GRAD
         memo = transport.CallMemo()
-        encoded = {}
-        # Encode every remote partition before sending anything, so that bad input fails with
-        # no RPC sent.
+        # Encode every partition that may travel before sending anything, so that bad input
+        # fails with no RPC sent.
         for i in remote:
             name, p_args, p_kwargs = parts[i]
             if attached:
                 call.differentiable[i], call.input_nodes[i] = autograd.grad_inputs(p_args, p_kwargs)
-            encoded[i] = transport.encode(
+            call.encoded[i] = transport.encode(
                 p_args,
                 p_kwargs,
                 world=call.world_token,
-                worker=name,
+                worker="" if call.dynamic else name,  # unknown yet: structures travel along
                 dtype=dtype,
                 memo=memo,
                 attached=attached,
             )
+    if call.dynamic:
+        call.queues[""] = collections.deque(range(len(parts)))
+        call.drive([w for w in workers if w != own], own in workers)
+    elif sync:
+        for i, (name, _, _) in enumerate(parts):
+            call.queues.setdefault(name, collections.deque()).append(i)
+        call.drive([w for w in workers if w != own], own in workers)
+    else:
         for i in remote:
-            e_args, e_kwargs, needs_decode, call.new_structures[i] = encoded[i]
-            try:
-                future = rpc.rpc_async(
-                    parts[i][0],
-                    _run_partition,
-                    args=(sendable, e_args, e_kwargs, needs_decode, dtype, call.grad_mode),
-                    timeout=rpc_timeout,
-                )
-            except Exception as error:
-                future = Future()
-                future.set_exception(error)
-            call.futures[i] = future
-    # The caller's own partitions run here, on this thread, while the remote ones compute:
-    # no RPC to itself, no encoding, and their graph is part of the caller's own.
-    for i, (_, p_args, p_kwargs) in enumerate(parts):
-        if call.futures[i] is not None:
-            continue
-        try:  # as the worker would run it, errors included
-            result = getattr(func, _ORIGINAL, func)(*p_args, **p_kwargs)
-            _finish_result(result, [])
-        except Exception as error:
-            failure = RemoteFailure.capture(error, own, "call")
-            raised = failure.to_exception(i, len(parts), call.func_name)
-            raised.__cause__ = error
-            call.local[i] = (False, raised)
-        else:
-            call.local[i] = (True, result)
+            call.send(i, parts[i][0])
+        # The caller's own partitions run here, on this thread, while the remote ones compute:
+        # no RPC to itself, no encoding, and their graph is part of the caller's own.
+        for i, (name, _, _) in enumerate(parts):
+            if name == own:
+                call.run_here(i)
     return call
 
 
@@ -621,7 +734,9 @@ def remote_async_call(
         >>> main()  # a world of 1: one partition
         [tensor([0., 1., 4., 9.])]
     """
-    return _start(func, args, kwargs, partitioner, reducer, timeout, compression).future()
+    return _start(
+        func, args, kwargs, partitioner, reducer, timeout, compression, sync=False
+    ).future()
 
 
 def remote_sync_call(
@@ -664,7 +779,15 @@ def remote_sync_call(
     """
     # Waiting on the partitions directly is cheaper than chaining futures.
     return _start(
-        func, args, kwargs, partitioner, reducer, timeout, compression, "metadist.remote_sync_call"
+        func,
+        args,
+        kwargs,
+        partitioner,
+        reducer,
+        timeout,
+        compression,
+        sync=True,
+        api="metadist.remote_sync_call",
     ).collect()
 
 
@@ -760,7 +883,9 @@ def _parallelizer(
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
             # The wrapper is what pickles by name; workers run _ORIGINAL (see _run_partition).
-            call = _start(wrapper, args, kwargs, partitioner, reducer, timeout, compression)
+            call = _start(
+                wrapper, args, kwargs, partitioner, reducer, timeout, compression, sync=sync
+            )
             return call.collect() if sync else call.future()
 
         setattr(wrapper, _ORIGINAL, func)

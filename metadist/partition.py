@@ -36,10 +36,14 @@ class Partitions(list[Partition]):
     Args:
         items: The ``(worker_id, args, kwargs)`` triples, in partition order.
         sizes: Number of batch items in each partition, or ``None`` when unknown.
+        schedule: ``"static"``: each partition runs on its worker; ``"dynamic"``: a
+            synchronous call hands each partition to whichever of the listed workers frees up
+            first (the worker ids are then only the set of workers to use).
 
     Attributes:
         sizes: Number of batch items in each partition (partition order), or ``None`` when
             unknown. :func:`metadist.mean_reducer` uses it to weight partition results.
+        schedule: ``"static"`` or ``"dynamic"``.
 
     Example:
         >>> parts = Partitions([(0, (), {}), (1, (), {})], sizes=(3, 2))
@@ -47,9 +51,24 @@ class Partitions(list[Partition]):
         (2, (3, 2))
     """
 
-    def __init__(self, items: Sequence[Partition] = (), sizes: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        items: Sequence[Partition] = (),
+        sizes: Sequence[int] | None = None,
+        schedule: str = "static",
+    ) -> None:
         super().__init__(items)
         self.sizes: tuple[int, ...] | None = None if sizes is None else tuple(sizes)
+        self.schedule = _check_schedule(schedule, "Partitions")
+
+
+_SCHEDULES = ("static", "dynamic")
+
+
+def _check_schedule(schedule: Any, owner: str) -> str:
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"{owner}: schedule must be 'static' or 'dynamic', got {schedule!r}")
+    return str(schedule)
 
 
 def split_sizes(n: int, k: int) -> list[int]:
@@ -98,11 +117,14 @@ class DimPartitioner:
             contiguous, balanced chunk per worker.
         keepdim: With ``exclusive=True``, ``False`` removes the split dimension.
         workers: Worker ranks or names to use, in order (default: all workers).
+        schedule: ``"static"`` (round-robin, fixed before anything runs) or ``"dynamic"`` (each
+            item goes to the next worker that frees up; needs ``exclusive=True``).
 
     Raises:
         TypeError: ``dim`` is not an int, ``exclusive``/``keepdim`` not bools, or ``workers`` not
             a sequence of ranks or names.
-        ValueError: ``keepdim=False`` without ``exclusive=True``, or an empty ``workers``.
+        ValueError: ``keepdim=False`` without ``exclusive=True``, an empty ``workers``, or a
+            dynamic schedule without ``exclusive=True``.
 
     Example:
         >>> import torch
@@ -112,7 +134,7 @@ class DimPartitioner:
         [(0, [0, 1, 2]), (1, [3, 4])]
     """
 
-    __slots__ = ("dim", "exclusive", "keepdim", "workers")
+    __slots__ = ("dim", "exclusive", "keepdim", "schedule", "workers")
 
     def __init__(
         self,
@@ -121,6 +143,7 @@ class DimPartitioner:
         exclusive: bool = False,
         keepdim: bool = True,
         workers: Sequence[int | str] | None = None,
+        schedule: str = "static",
     ) -> None:
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"dim_partitioner: dim must be an int, got {dim!r}")
@@ -148,32 +171,36 @@ class DimPartitioner:
                         f"dim_partitioner: workers must hold int ranks or str names, got "
                         f"{worker!r} in {workers!r}"
                     )
+        self.schedule = _check_schedule(schedule, "dim_partitioner")
+        if self.schedule == "dynamic" and not exclusive:
+            raise ValueError(
+                "dim_partitioner: schedule='dynamic' hands out one item at a time, which needs "
+                "exclusive=True (one item per partition); got exclusive=False"
+            )
         self.dim = dim
         self.exclusive = exclusive
         self.keepdim = keepdim
         self.workers: tuple[int | str, ...] | None = workers
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_dim_partitioner, (self.dim, self.exclusive, self.keepdim, self.workers))
+        return (_rebuild_dim_partitioner, self._key())
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.dim, self.exclusive, self.keepdim, self.workers, self.schedule)
 
     def __repr__(self) -> str:
         return (
             f"dim_partitioner(dim={self.dim}, exclusive={self.exclusive}, "
-            f"keepdim={self.keepdim}, workers={self.workers!r})"
+            f"keepdim={self.keepdim}, workers={self.workers!r}, schedule={self.schedule!r})"
         )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DimPartitioner):
             return NotImplemented
-        return (self.dim, self.exclusive, self.keepdim, self.workers) == (
-            other.dim,
-            other.exclusive,
-            other.keepdim,
-            other.workers,
-        )
+        return self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.dim, self.exclusive, self.keepdim, self.workers))
+        return hash(self._key())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Partitions:
         """Partition ``args``/``kwargs`` over the configured workers (all workers by default).
@@ -251,7 +278,7 @@ class DimPartitioner:
             for part, piece in zip(per_part, self._pieces(leaves[index], dim, sizes), strict=True):
                 part[index] = piece
         n_workers = len(worker_ids)
-        parts = Partitions(sizes=sizes)
+        parts = Partitions(sizes=sizes, schedule=self.schedule)
         for i, part in enumerate(per_part):
             p_args, p_kwargs = tree_unflatten(part, spec)
             parts.append((worker_ids[i % n_workers], p_args, p_kwargs))
@@ -292,7 +319,7 @@ class DimPartitioner:
         n_args = len(args)
         keys = list(kwargs)
         n_workers = len(worker_ids)
-        parts = Partitions(sizes=sizes)
+        parts = Partitions(sizes=sizes, schedule=self.schedule)
         for i in range(count):
             row = [column[i] for column in columns]
             parts.append(
@@ -341,9 +368,15 @@ class DimPartitioner:
 
 
 def _rebuild_dim_partitioner(
-    dim: int, exclusive: bool, keepdim: bool, workers: tuple[int | str, ...] | None
+    dim: int,
+    exclusive: bool,
+    keepdim: bool,
+    workers: tuple[int | str, ...] | None,
+    schedule: str = "static",
 ) -> DimPartitioner:
-    return DimPartitioner(dim, exclusive=exclusive, keepdim=keepdim, workers=workers)
+    return DimPartitioner(
+        dim, exclusive=exclusive, keepdim=keepdim, workers=workers, schedule=schedule
+    )
 
 
 def dim_partitioner(
@@ -352,6 +385,7 @@ def dim_partitioner(
     exclusive: bool = False,
     keepdim: bool = True,
     workers: Sequence[int | str] | None = None,
+    schedule: str = "static",
 ) -> DimPartitioner:
     """Make a partitioner that splits every tensor argument along ``dim``.
 
@@ -364,19 +398,25 @@ def dim_partitioner(
     * ``exclusive=True``: one item per partition, assigned to workers round-robin;
       ``keepdim=False`` removes the split dimension (``(T, B, ...)`` becomes ``T`` tensors of
       shape ``(B, ...)``).
+    * ``schedule="dynamic"`` (with ``exclusive=True``): a synchronous call hands each item to
+      the next worker that frees up (at most two in flight per worker), instead of fixing the
+      round-robin assignment before anything runs; for items of uneven cost. Results are reduced
+      in item order either way.
 
     Args:
         dim: The dimension to split (negative counts from the end).
         exclusive: One item per partition instead of one chunk per worker.
         keepdim: Keep the split dimension (size 1) in exclusive mode.
         workers: Worker ranks or names to use, in order; ``None`` means all workers.
+        schedule: ``"static"`` (default) or ``"dynamic"``.
 
     Returns:
         A picklable :class:`DimPartitioner`.
 
     Raises:
         TypeError: An argument has the wrong type.
-        ValueError: ``keepdim=False`` without ``exclusive=True``, or empty ``workers``.
+        ValueError: ``keepdim=False`` without ``exclusive=True``, empty ``workers``, or
+            ``schedule="dynamic"`` without ``exclusive=True``.
 
     Example:
         >>> import torch
@@ -384,7 +424,9 @@ def dim_partitioner(
         >>> [len(args[0]) for _, args, _ in parts], parts.sizes
         ([3, 2, 2], (3, 2, 2))
     """
-    return DimPartitioner(dim, exclusive=exclusive, keepdim=keepdim, workers=workers)
+    return DimPartitioner(
+        dim, exclusive=exclusive, keepdim=keepdim, workers=workers, schedule=schedule
+    )
 
 
 _BATCH = DimPartitioner(0)
