@@ -4,12 +4,12 @@ A layer over ``torch.distributed.rpc`` and distributed autograd whose names foll
 ``torchopt.distributed``, so switching is a change of import. Data flows
 entry (:mod:`~metadist.launch`) → :mod:`~metadist.world` → :mod:`~metadist.partition` →
 remote call (:mod:`~metadist.api`, :mod:`~metadist.transport`) → :mod:`~metadist.reduce` →
-:mod:`~metadist.autograd` → :mod:`~metadist.optim`.
+:mod:`~metadist.autograd` → :mod:`~metadist.optim`; :mod:`~metadist.timeline` records calls.
 """
 
 from __future__ import annotations
 
-from metadist import autograd, optim
+from metadist import autograd, optim, timeline
 from metadist.api import (
     parallelize,
     parallelize_async,
@@ -79,4 +79,5 @@ __all__ = [
     "remote_sync_call",
     "stack_reducer",
     "sum_reducer",
+    "timeline",
 ]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from metadist import autograd, transport, world
+from metadist import autograd, timeline, transport, world
 from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from metadist.errors import RemoteError, RemoteFailure
 from metadist.partition import batch_partitioner
@@ -213,6 +213,20 @@ def _result_path(result: Any, index: int) -> str:
     return keystr(pairs[index][0])
 
 
+class _Timed:
+    """A partition's result with the worker's clock at the start and the end of the function."""
+
+    __slots__ = ("end", "start", "value")
+
+    def __init__(self, value: Any, start: float, end: float) -> None:
+        self.value = value
+        self.start = start
+        self.end = end
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Timed, (self.value, self.start, self.end))
+
+
 def _run_partition(  # noqa: PLR0917 - the RPC target; positional on the wire
     func: Any,
     args: tuple[Any, ...],
@@ -220,8 +234,10 @@ def _run_partition(  # noqa: PLR0917 - the RPC target; positional on the wire
     needs_decode: bool,
     compression: torch.dtype | None,
     grad_mode: int = _GRAD,
+    timed: bool = False,
 ) -> Any:
     """Run one partition on this worker (the RPC target of every remote call)."""
+    start = timeline.now() if timed else 0.0
     worker = rpc.get_worker_info().name
     try:
         if needs_decode:
@@ -236,7 +252,7 @@ def _run_partition(  # noqa: PLR0917 - the RPC target; positional on the wire
             result = transport.compress_tree(result, compression)
     except Exception as error:
         return RemoteFailure.capture(error, worker, "call")
-    return result
+    return _Timed(result, start, timeline.now()) if timed else result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,6 +396,8 @@ class _Call:
 
     __slots__ = (
         "arrivals",
+        "bar",
+        "call_number",
         "compression",
         "context_id",
         "differentiable",
@@ -396,8 +414,10 @@ class _Call:
         "own",
         "parts",
         "queues",
+        "records",
         "reducer",
         "sizes",
+        "timeline",
         "timeout",
         "workers",
         "world_token",
@@ -429,16 +449,39 @@ class _Call:
         self.queues: dict[str, collections.deque[int]] = {}
         self.in_flight: dict[str, int] = {}
         self.arrivals: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.bar: Any = None
+        self.timeline = timeline.active()
+        self.call_number = self.timeline.new_call() if self.timeline is not None else -1
+        self.records: dict[int, timeline.PartitionRecord] = {}
+
+    def _record(self, index: int, worker: str, bytes_out: int = 0) -> None:
+        assert self.timeline is not None
+        self.records[index] = self.timeline.add(
+            timeline.PartitionRecord(
+                self.call_number, self.func_name, index, worker, timeline.now(), bytes_out=bytes_out
+            )
+        )
 
     def send(self, index: int, worker: str) -> None:
         """Send partition ``index`` to ``worker`` (encoded already)."""
         self.workers[index] = worker
         e_args, e_kwargs, needs_decode, self.new_structures[index] = self.encoded.pop(index)
+        timed = self.timeline is not None
+        if timed:
+            self._record(index, worker, transport.wire_bytes((e_args, e_kwargs)))
         try:
             future = rpc.rpc_async(
                 worker,
                 _run_partition,
-                args=(self.func, e_args, e_kwargs, needs_decode, self.compression, self.grad_mode),
+                args=(
+                    self.func,
+                    e_args,
+                    e_kwargs,
+                    needs_decode,
+                    self.compression,
+                    self.grad_mode,
+                    timed,
+                ),
                 timeout=self.timeout,
             )
         except Exception as error:
@@ -446,12 +489,20 @@ class _Call:
             future.set_exception(error)
         self.futures[index] = future
         self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
+        if timed:
+            record = self.records[index]
+            future.add_done_callback(lambda _: setattr(record, "done", timeline.now()))
+        if self.bar is not None:
+            future.add_done_callback(lambda _: self.bar.update())
         future.add_done_callback(lambda _, index=index: self.arrivals.put(index))
 
     def run_here(self, index: int) -> None:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
         self.workers[index] = self.own
         _, args, kwargs = self.parts[index]
+        if self.timeline is not None:
+            self._record(index, self.own)
+            self.records[index].start = self.records[index].sent
         try:
             result = getattr(self.func, _ORIGINAL, self.func)(*args, **kwargs)
             _finish_result(result, [])
@@ -462,6 +513,13 @@ class _Call:
             self.local[index] = (False, raised)
         else:
             self.local[index] = (True, result)
+        if self.bar is not None:
+            self.bar.update()
+        if self.timeline is not None:
+            record = self.records[index]
+            record.end = record.done = timeline.now()
+            if self.local[index][0]:
+                record.bytes_in = transport.wire_bytes(result)
 
     def _next_for(self, worker: str) -> int | None:
         pending = self.queues.get("" if self.dynamic else worker)
@@ -526,6 +584,12 @@ class _Call:
             value = future.wait()
         except Exception as error:
             return False, _rpc_error(error, index, len(self.workers), worker, self.timeout)
+        notify = None
+        if isinstance(value, _Timed):
+            record = self.records[index]
+            record.start, record.end, value = value.start, value.end, value.value
+            record.bytes_in = transport.wire_bytes(value)
+            notify = functools.partial(setattr, record, "gradients_sent")
         if isinstance(value, RemoteFailure):
             if value.stage != "decode":  # the worker cached the structures before the call
                 transport.mark_structure_confirmed(
@@ -542,12 +606,15 @@ class _Call:
                 self.input_nodes[index],
                 f"{self.func_name} (partition {index} on {worker!r})",
                 self.differentiable[index],
+                notify,
             )
         return True, value
 
     def collect(self) -> Any:
         """Wait for *every* partition (none is left pending), then reduce or raise."""
         world._wait_done([f for f in self.futures if f is not None])
+        if self.bar is not None:
+            self.bar.close()
         outcomes = [self._outcome(i) for i in range(len(self.workers))]
         values = [value for ok, value in outcomes if ok]
         errors = [error for ok, error in outcomes if not ok]
@@ -594,6 +661,16 @@ class _Call:
         return result
 
 
+def _progress_bar(name: str, total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise ImportError(
+            "progress=True draws its bar with tqdm, which is not installed: pip install tqdm"
+        ) from None
+    return tqdm(total=total, desc=name, unit="partition", disable=not sys.stdout.isatty())
+
+
 def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     func: Callable[..., Any],
     args: Sequence[Any] | None,
@@ -604,6 +681,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     compression: str | None,
     *,
     sync: bool,
+    progress: bool = False,
     api: str = "metadist.remote_async_call",
 ) -> _Call:
     """Check the arguments, partition them, and send (or, in-process, run) every partition.
@@ -633,6 +711,8 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     )
     call.sizes, call.reducer, call.compression, call.timeout = sizes, reducer, dtype, rpc_timeout
     call.func, call.own, call.parts = sendable, own, parts
+    if progress:
+        call.bar = _progress_bar(call.func_name, len(parts))
     # A dynamic schedule decides the workers as they free up (synchronous calls only: only the
     # calling thread holds the distributed autograd context the sends must carry).
     call.dynamic = sync and schedule == "dynamic" and len(parts) > 1
@@ -686,6 +766,7 @@ def remote_async_call(
     reducer: Reducer | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
+    progress: bool = False,
 ) -> Future[Any]:
     """Run ``func`` on workers over RPC, map/reduce style, and return a future of the result.
 
@@ -710,6 +791,8 @@ def remote_async_call(
         compression: ``"bf16"`` or ``"fp16"`` casts floating-point tensors (arguments, module
             tensors, results and their gradients) for the wire; ``None`` (default) sends them
             as they are.
+        progress: Draw a progress bar of finished partitions on the caller (needs ``tqdm``;
+            drawn only when standard output is a terminal).
 
     Returns:
         A ``torch.futures.Future``; ``wait()`` returns the (reduced) result or raises. It
@@ -748,6 +831,7 @@ def remote_sync_call(
     reducer: Reducer | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
+    progress: bool = False,
 ) -> Any:
     """Like :func:`remote_async_call`, but wait for and return the result.
 
@@ -759,6 +843,7 @@ def remote_sync_call(
         reducer: Reducer, or ``None`` for the list of per-partition results.
         timeout: Per-partition timeout (default: the world's RPC timeout; ``None``: forever).
         compression: ``None``, ``"bf16"`` or ``"fp16"``.
+        progress: Draw a progress bar of finished partitions (see :func:`remote_async_call`).
 
     Returns:
         The (reduced) result.
@@ -787,6 +872,7 @@ def remote_sync_call(
         timeout,
         compression,
         sync=True,
+        progress=progress,
         api="metadist.remote_sync_call",
     ).collect()
 
@@ -796,6 +882,7 @@ def parallelize_async(
     reducer: Reducer | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
+    progress: bool = False,
 ) -> Callable[[Callable[P, Any]], Callable[P, Future[Any]]]:
     """Decorate a module-level function so that calling it runs a :func:`remote_async_call`.
 
@@ -808,6 +895,7 @@ def parallelize_async(
         reducer: As for :func:`remote_async_call`.
         timeout: As for :func:`remote_async_call`.
         compression: As for :func:`remote_async_call`.
+        progress: As for :func:`remote_async_call`.
 
     Returns:
         A decorator.
@@ -825,7 +913,7 @@ def parallelize_async(
         >>> main()
         [tensor(9.)]
     """
-    return _parallelizer(partitioner, reducer, timeout, compression, sync=False)
+    return _parallelizer(partitioner, reducer, timeout, compression, progress, sync=False)
 
 
 def parallelize_sync(
@@ -833,6 +921,7 @@ def parallelize_sync(
     reducer: Reducer | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
+    progress: bool = False,
 ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
     """Decorate a module-level function so that calling it runs a :func:`remote_sync_call`.
 
@@ -841,6 +930,7 @@ def parallelize_sync(
         reducer: As for :func:`remote_async_call`.
         timeout: As for :func:`remote_async_call`.
         compression: As for :func:`remote_async_call`.
+        progress: As for :func:`remote_async_call`.
 
     Returns:
         A decorator; the decorated function returns the (reduced) result.
@@ -858,7 +948,7 @@ def parallelize_sync(
         >>> main()
         tensor(15.)
     """
-    return _parallelizer(partitioner, reducer, timeout, compression, sync=True)
+    return _parallelizer(partitioner, reducer, timeout, compression, progress, sync=True)
 
 
 def _parallelizer(
@@ -866,6 +956,7 @@ def _parallelizer(
     reducer: Reducer | None,
     timeout: float | None,
     compression: str | None,
+    progress: bool,
     *,
     sync: bool,
 ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:

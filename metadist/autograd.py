@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -141,17 +142,22 @@ class _SendGradientsFirst(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, node: Any, anchor: torch.Tensor, *received: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, node: Any, notify: Callable[[float], None] | None, *received: torch.Tensor
+    ) -> Any:
         ctx.node = node
-        return tuple(t.view_as(t) for t in received)
+        ctx.notify = notify
+        return tuple(t.view_as(t) for t in received[1:])  # received[0] is the anchor
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
         ctx.node(*grads)
-        return (None,) * (len(grads) + 2)
+        if ctx.notify is not None:
+            ctx.notify(time.time())
+        return (None,) * (len(grads) + 3)
 
 
-def _send_gradients_first(value: Any) -> Any:
+def _send_gradients_first(value: Any, notify: Callable[[float], None] | None) -> Any:
     """``value`` with each remote result routed through :class:`_SendGradientsFirst`."""
     leaves, spec = tree_flatten(value)
     groups: dict[int, tuple[Any, dict[int, list[int]]]] = {}
@@ -168,14 +174,21 @@ def _send_gradients_first(value: Any) -> Any:
         if len(outputs) != len(node._input_metadata):
             continue
         received = [leaves[outputs[k][0]].detach() for k in range(len(outputs))]
-        linked = _SendGradientsFirst.apply(node, _ANCHOR, *received)
+        linked = _SendGradientsFirst.apply(node, notify, _ANCHOR, *received)
         for k, places in outputs.items():
             for i in places:
                 leaves[i] = linked[k]
     return tree_unflatten(leaves, spec)
 
 
-def receive(context_id: int, value: Any, inputs: list[Any], name: str, sent_grad: bool) -> Any:
+def receive(  # noqa: PLR0917 - called by metadist.api only
+    context_id: int,
+    value: Any,
+    inputs: list[Any],
+    name: str,
+    sent_grad: bool,
+    notify: Callable[[float], None] | None = None,
+) -> Any:
     """Link one remote partition's result into the caller's graph and record it.
 
     Args:
@@ -185,6 +198,7 @@ def receive(context_id: int, value: Any, inputs: list[Any], name: str, sent_grad
             :func:`grad_inputs`).
         name: The partition, for error messages (function, index, worker).
         sent_grad: Whether the partition was sent tensors that require grad.
+        notify: Called with the time whenever a backward pass sends the result's gradients.
 
     Returns:
         The result to hand to the reducer (its tensors are new views of the received ones).
@@ -193,7 +207,7 @@ def receive(context_id: int, value: Any, inputs: list[Any], name: str, sent_grad
         nodes: list[Any] = []
         dangling = [name]
     else:
-        value = _send_gradients_first(value)
+        value = _send_gradients_first(value, notify)
         dangling = []
         leaves, _ = tree_flatten(value)
         nodes = [leaf.grad_fn for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.grad_fn]

@@ -58,6 +58,7 @@ __all__ = [
     "invalidate_module_cache",
     "mark_structure_confirmed",
     "resolve_compression",
+    "wire_bytes",
 ]
 
 #: How many module structures a worker keeps (least recently used are evicted).
@@ -818,3 +819,25 @@ def decompress_tree(tree: Any) -> Any:
         if isinstance(leaf, _Compressed):
             leaves[i] = _unwire(leaf.tensor, leaf.dtype)
     return tree_unflatten(leaves, spec)
+
+
+def wire_bytes(tree: Any) -> int:
+    """Bytes of the tensor data in ``tree`` as it travels (what dominates a message).
+
+    Args:
+        tree: Encoded arguments or a result as received (a pytree).
+
+    Returns:
+        The total of ``numel * element_size`` over its tensors, module tensors included.
+    """
+    leaves, _ = tree_flatten(tree)
+    total = 0
+    for leaf in leaves:
+        item = leaf
+        while isinstance(item, (_Compressed, _GradLeaf)):
+            item = item.tensor
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, _ModuleRef):
+            total += wire_bytes([*item.params, *item.buffers])
+    return total

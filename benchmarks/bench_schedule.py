@@ -1,0 +1,166 @@
+"""Uneven tasks: a static against a dynamic schedule, and the ideal, on two workers.
+
+Each task adapts a small MLP for a number of inner steps drawn per task (1 to 8, so one task
+costs up to 8 times another) and returns its query loss; a meta-batch of ``--tasks`` tasks is
+split one task per partition (``dim_partitioner(0, exclusive=True)``) over rank 0 (the caller,
+in-process) and rank 1. Timed per step (forward and distributed backward), interleaved round by
+round:
+
+* ``static``: round-robin assignment fixed before anything runs (task i on worker i mod 2);
+* ``dynamic``: ``schedule="dynamic"``, each task to the next worker that frees up;
+* ``ideal``: the single-process time of the same step, halved.
+
+Batches: ``skewed`` draws the steps at random (seeded) and ``even`` gives every task 4 steps.
+The script prints the medians, the spread over rounds, the ratios against the targets
+(dynamic within 1.15x of ideal and >= 1.3x faster than static on the skewed batch; dynamic no
+slower than 1.03x static on the even batch), and checks that both schedules give the same loss.
+
+Run: ``python benchmarks/bench_schedule.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+import metadist
+from metadist.network import free_loopback_port
+
+WIDTH = 64
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+
+
+def task_loss(model: nn.Module, x: Tensor, steps: Tensor) -> Tensor:
+    """One task: ``steps`` differentiable inner SGD steps, then the query loss."""
+    params = dict(model.named_parameters())
+    for _ in range(int(steps.item())):
+        loss = torch.func.functional_call(model, params, (x,)).pow(2).mean()
+        grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+        params = {k: v - 0.01 * g for (k, v), g in zip(params.items(), grads, strict=True)}
+    return torch.func.functional_call(model, params, (x,)).sub(1.0).pow(2).mean()
+
+
+def batch(kind: str, tasks: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(tasks)
+    x = torch.randn(tasks, 256, WIDTH, generator=g)
+    if kind == "even":
+        steps = torch.full((tasks,), 4)
+    else:
+        steps = torch.randint(1, 9, (tasks,), generator=g)
+    return x, steps
+
+
+def step(model: nn.Module, x: Tensor, steps: Tensor, schedule: str) -> Tensor:
+    part = metadist.dim_partitioner(0, exclusive=True, schedule=schedule)
+    with metadist.autograd.context() as ctx:
+        loss = metadist.remote_sync_call(
+            task_loss, args=(model, x, steps), partitioner=part, reducer=metadist.mean_reducer
+        )
+        metadist.autograd.backward(ctx, [loss])
+    return loss.detach()
+
+
+def single(model: nn.Module, x: Tensor, steps: Tensor) -> None:
+    loss = torch.stack([task_loss(model, x[i], steps[i]) for i in range(len(x))]).mean()
+    loss.backward()
+
+
+def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+
+    @metadist.auto_init_rpc()
+    def main() -> None:
+        if rank != 0:
+            return
+        results: dict[str, Any] = {}
+        model = make_model()
+        for kind in ("skewed", "even"):
+            x, steps = batch(kind, cfg["tasks"])
+            same = torch.equal(step(model, x, steps, "static"), step(model, x, steps, "dynamic"))
+            timings: dict[str, list[float]] = {"static": [], "dynamic": [], "ideal": []}
+            for r in range(cfg["rounds"]):
+                order = ["static", "dynamic", "ideal"]
+                for name in order if r % 2 == 0 else order[::-1]:
+                    times = []
+                    for _ in range(cfg["steps"]):
+                        start = time.perf_counter()
+                        if name == "ideal":
+                            single(model, x, steps)
+                        else:
+                            step(model, x, steps, name)
+                        elapsed = (time.perf_counter() - start) * 1e3
+                        times.append(elapsed / 2 if name == "ideal" else elapsed)
+                    timings[name].append(statistics.median(times))
+            results[kind] = {"timings": timings, "same_loss": same, "steps": steps.tolist()}
+        Path(out).write_text(json.dumps(results))
+
+    main()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=16, help="tasks per meta-batch")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round and variant")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args()
+    cfg = {"tasks": args.tasks, "steps": args.steps, "rounds": args.rounds}
+    if args.quick:
+        cfg.update(steps=2, rounds=2)
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "out.json")
+        mp.start_processes(
+            _child, args=(free_loopback_port(), cfg, out), nprocs=2, start_method="spawn"
+        )
+        results = json.loads(Path(out).read_text())
+    print(
+        f"{cfg['tasks']} tasks of 1-8 inner steps on 2 workers (rank 0 in-process + rank 1), "
+        f"1 thread each; {cfg['rounds']} rounds x {cfg['steps']} steps; ms per step"
+    )
+    for kind, res in results.items():
+        t = res["timings"]
+        med = {k: statistics.median(v) for k, v in t.items()}
+        spread = {k: f"{min(v):.1f}-{max(v):.1f}" for k, v in t.items()}
+        print(f"\n{kind} batch, inner steps {res['steps']}")
+        for name in ("static", "dynamic", "ideal"):
+            print(f"  {name:<8} {med[name]:8.1f}  [{spread[name]}]")
+        ratios = [s / d for s, d in zip(t["static"], t["dynamic"], strict=True)]
+        ideal = [d / i for d, i in zip(t["dynamic"], t["ideal"], strict=True)]
+        r_static, r_ideal = statistics.median(ratios), statistics.median(ideal)
+
+        def spread_of(values: list[float]) -> str:
+            return f"[{min(values):.2f}-{max(values):.2f}]"
+
+        if kind == "skewed":
+            print(f"  static / dynamic   {r_static:5.2f} {spread_of(ratios)}  target >= 1.3")
+            print(f"  dynamic / ideal    {r_ideal:5.2f} {spread_of(ideal)}  target <= 1.15")
+        else:
+            back = [1 / r for r in ratios]
+            print(f"  dynamic / static   {1 / r_static:5.2f} {spread_of(back)}  target <= 1.03")
+        print(f"  same loss under both schedules: {res['same_loss']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""An opt-in timeline of remote calls: where each partition ran, when, and how many bytes moved.
+
+While :func:`record` is open, every remote call made in this process notes, per partition, the
+worker, when the caller sent it and got its result, when the worker started and finished the
+function, the tensor bytes each way, and when its gradients left for the worker in a backward
+pass. :meth:`Timeline.save` writes Chrome trace JSON (open it in ``chrome://tracing`` or
+https://ui.perfetto.dev); :meth:`Timeline.summary` prints one screen per worker.
+
+Example:
+    >>> import torch
+    >>> import metadist
+    >>> @metadist.auto_init_rpc()
+    ... def main():
+    ...     with record() as timeline:
+    ...         metadist.remote_sync_call(torch.square, args=(torch.arange(4.0),))
+    ...     return [(e.worker, e.partition) for e in timeline.partitions]
+    >>> main()
+    [('worker0', 0)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["PartitionRecord", "Timeline", "record"]
+
+
+@dataclasses.dataclass
+class PartitionRecord:
+    """What the timeline knows of one partition (times are ``time.time()`` seconds).
+
+    Attributes:
+        call: Number of the remote call in this timeline (0, 1, ...).
+        function: The remote function's name.
+        partition: Index of the partition in its call.
+        worker: Name of the worker that ran it.
+        sent: When the caller sent it (or started it, in-process).
+        done: When the caller had its result.
+        start: When the worker started the function.
+        end: When the worker finished it.
+        bytes_out: Tensor bytes sent to the worker (0 in-process).
+        bytes_in: Tensor bytes of the result.
+        gradients_sent: When a backward pass sent the gradients of its result back (remote
+            partitions in a distributed autograd context), else ``None``.
+    """
+
+    call: int
+    function: str
+    partition: int
+    worker: str
+    sent: float
+    done: float = 0.0
+    start: float = 0.0
+    end: float = 0.0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    gradients_sent: float | None = None
+
+
+class Timeline:
+    """The partitions recorded by :func:`record`, in the order their calls were made."""
+
+    def __init__(self) -> None:
+        self.partitions: list[PartitionRecord] = []
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def new_call(self) -> int:
+        """Number the next remote call."""
+        with self._lock:
+            self.calls += 1
+            return self.calls - 1
+
+    def add(self, record: PartitionRecord) -> PartitionRecord:
+        """Keep ``record`` (filled in as the partition proceeds)."""
+        with self._lock:
+            self.partitions.append(record)
+        return record
+
+    def trace(self) -> dict[str, Any]:
+        """The timeline as a Chrome trace (``{"traceEvents": [...]}``), times in microseconds.
+
+        Each worker is a process; each partition's run on its worker is a complete event on
+        the thread named after its call, with its caller-side round trip and bytes as
+        arguments; gradients leaving for a worker are instant events.
+        """
+        workers = sorted({p.worker for p in self.partitions})
+        pid = {w: i for i, w in enumerate(workers)}
+        origin = min((p.sent for p in self.partitions), default=0.0)
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": pid[w], "args": {"name": w}} for w in workers
+        ]
+        for p in self.partitions:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": f"{p.function}[{p.partition}]",
+                    "cat": "forward",
+                    "pid": pid[p.worker],
+                    "tid": p.call,
+                    "ts": (p.start - origin) * 1e6,
+                    "dur": max(p.end - p.start, 0.0) * 1e6,
+                    "args": {
+                        "call": p.call,
+                        "round trip ms": round((p.done - p.sent) * 1e3, 3),
+                        "bytes out": p.bytes_out,
+                        "bytes in": p.bytes_in,
+                    },
+                }
+            )
+            if p.gradients_sent is not None:
+                events.append(
+                    {
+                        "ph": "i",
+                        "s": "p",
+                        "name": f"gradients of {p.function}[{p.partition}] sent",
+                        "cat": "backward",
+                        "pid": pid[p.worker],
+                        "tid": p.call,
+                        "ts": (p.gradients_sent - origin) * 1e6,
+                    }
+                )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`trace` as JSON to ``path``."""
+        with open(path, "w") as file:
+            json.dump(self.trace(), file)
+
+    def summary(self, slowest: int = 3) -> str:
+        """One screen per worker: partitions, busy time and share, bytes, slowest partitions."""
+        if not self.partitions:
+            return "no remote calls recorded"
+        begin = min(p.sent for p in self.partitions)
+        span = max(max(p.done, p.end) for p in self.partitions) - begin
+        lines = [
+            f"{self.calls} call(s), {len(self.partitions)} partition(s) over {span * 1e3:.1f} ms",
+            f"{'worker':<12} {'parts':>5} {'busy ms':>9} {'busy %':>7} {'MB out':>8} {'MB in':>8}",
+        ]
+        for worker in sorted({p.worker for p in self.partitions}):
+            mine = [p for p in self.partitions if p.worker == worker]
+            busy = sum(p.end - p.start for p in mine)
+            lines.append(
+                f"{worker:<12} {len(mine):>5} {busy * 1e3:>9.1f} "
+                f"{100 * busy / span if span else 0.0:>6.1f}% "
+                f"{sum(p.bytes_out for p in mine) / 1e6:>8.3f} "
+                f"{sum(p.bytes_in for p in mine) / 1e6:>8.3f}"
+            )
+        lines.append("slowest partitions:")
+        for p in sorted(self.partitions, key=lambda p: p.start - p.end)[:slowest]:
+            lines.append(
+                f"  call {p.call} {p.function}[{p.partition}] on {p.worker}: "
+                f"{(p.end - p.start) * 1e3:.1f} ms on the worker, "
+                f"{(p.done - p.sent) * 1e3:.1f} ms round trip"
+            )
+        return "\n".join(lines)
+
+
+_ACTIVE: Timeline | None = None
+_ACTIVE_LOCK = threading.Lock()
+
+
+def active() -> Timeline | None:
+    """The timeline being recorded in this process, if any (for :mod:`metadist.api`)."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def record(path: str | os.PathLike[str] | None = None) -> Iterator[Timeline]:
+    """Record every remote call this process makes while the block runs.
+
+    Args:
+        path: Where to write the Chrome trace when the block ends (``None``: don't write).
+
+    Yields:
+        The :class:`Timeline`; it is complete once the block has ended.
+
+    Raises:
+        RuntimeError: A timeline is already being recorded in this process.
+    """
+    global _ACTIVE
+    timeline = Timeline()
+    with _ACTIVE_LOCK:
+        if _ACTIVE is not None:
+            raise RuntimeError("metadist.timeline.record: a timeline is already being recorded")
+        _ACTIVE = timeline
+    try:
+        yield timeline
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE = None
+        if path is not None:
+            timeline.save(path)
+
+
+def now() -> float:
+    """The clock the timeline uses (comparable across processes of one machine)."""
+    return time.time()
