@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_world
+from _dist import Scenarios, run_scenarios
 from torch import nn
 from torch.func import functional_call
 from torch.nn.functional import cross_entropy, relu
@@ -127,11 +128,8 @@ def decorated_async(x: torch.Tensor) -> str:
 # World 1: partition/reduce correctness, futures, errors, timeouts, bad input, caching
 
 
-def _api_world(rank: int, world_size: int) -> None:
-    if rank != 0:
-        return
+def partitions_are_balanced_and_in_order(world_size: int) -> None:
     x = torch.arange(10.0)
-
     # Uneven batch over 3 workers: balanced chunks, partition order, replicated non-tensors.
     results = remote_sync_call(describe, args=(x, "t"), partitioner=dim_partitioner(0))
     assert [r[0] for r in results] == ["worker0", "worker1", "worker2"]
@@ -140,6 +138,9 @@ def _api_world(rank: int, world_size: int) -> None:
     # Default partitioner is the batch partitioner.
     assert [len(r[1]) for r in remote_sync_call(describe, args=(x, "t"))] == [4, 3, 3]
 
+
+def reducers_exclusive_and_pytree_results(world_size: int) -> None:
+    x = torch.arange(10.0)
     # The mean of partition means over an uneven split is the full-batch mean.
     data = torch.randn(10, 3)
     mean = remote_sync_call(partition_mean, args=(data,), reducer=mean_reducer)
@@ -161,6 +162,10 @@ def _api_world(rank: int, world_size: int) -> None:
     total = remote_sync_call(loss_and_metrics, args=(x,), reducer=sum_reducer)
     assert total[0].item() == 45.0
 
+
+def worker_partitioners_futures_and_decorators(world_size: int) -> None:
+    x = torch.arange(10.0)
+    data = torch.randn(10, 3)
     # Worker id / name partitioners: one partition, a list of one result.
     assert remote_sync_call(describe, args=(x[:2], "a"), partitioner=2)[0][0] == "worker2"
     assert remote_sync_call(describe, args=(x[:2], "a"), partitioner="worker1")[0][0] == "worker1"
@@ -175,6 +180,9 @@ def _api_world(rank: int, world_size: int) -> None:
     torch.testing.assert_close(decorated_mean(data), data.mean(0))
     assert decorated_async(x).wait() == ["worker2:10"]
 
+
+def remote_exceptions_keep_type_worker_and_traceback(world_size: int) -> None:
+    x = torch.arange(10.0)
     # A remote exception comes back with its type, the worker, the partition and the traceback.
     with pytest.raises(ValueError, match="bad batch of 3") as info:
         remote_sync_call(fail_on_second, args=(x,))
@@ -192,6 +200,8 @@ def _api_world(rank: int, world_size: int) -> None:
     # Nothing is left pending: the next call works immediately.
     assert remote_sync_call(describe, args=(x[:1], "ok"), partitioner=1)[0][2] == "ok"
 
+
+def timeouts_name_the_worker(world_size: int) -> None:
     # Timeout: raised as TimeoutError naming the worker, well before the sleep ends.
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="worker2"):
@@ -199,6 +209,9 @@ def _api_world(rank: int, world_size: int) -> None:
     assert time.monotonic() - start < 4.0
     assert remote_sync_call(sleepy, args=(0.0,), partitioner=2, timeout=None) == [0.0]
 
+
+def bad_input_fails_before_sending(world_size: int) -> None:
+    x = torch.arange(10.0)
     # Bad input fails before sending, naming the argument.
     with pytest.raises(TypeError, match=r"lambda.*module level"):
         remote_sync_call(lambda t: t, args=(x,), partitioner=0)
@@ -225,6 +238,8 @@ def _api_world(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="timeout"):
         remote_sync_call(describe, args=(x, "t"), timeout=-3)
 
+
+def compression_is_close_but_not_exact(world_size: int) -> None:
     # Compression: results close to, but not equal to, the uncompressed ones.
     values = torch.randn(300)
     exact = remote_sync_call(scale, args=(values,), reducer=torch.cat)
@@ -234,6 +249,9 @@ def _api_world(rank: int, world_size: int) -> None:
         error = (packed - exact).abs().max().item()
         assert 0 < error < 0.05, (mode, error)
 
+
+def module_structures_are_cached_per_worker(world_size: int) -> None:
+    x = torch.arange(10.0)
     # Module structure cache: sent once per worker, resent only after a structural change.
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     before = remote_sync_call(structures_cached, partitioner=1)[0]
@@ -279,6 +297,18 @@ def _api_world(rank: int, world_size: int) -> None:
         remote_sync_call(model_info, args=(LocalModule(), inputs), partitioner=1)
 
 
+API_SCENARIOS = [
+    partitions_are_balanced_and_in_order,
+    reducers_exclusive_and_pytree_results,
+    worker_partitioners_futures_and_decorators,
+    remote_exceptions_keep_type_worker_and_traceback,
+    timeouts_name_the_worker,
+    bad_input_fails_before_sending,
+    compression_is_close_but_not_exact,
+    module_structures_are_cached_per_worker,
+]
+
+
 def bad_partitioner(*args: Any, **kwargs: Any) -> list[Any]:
     return [(0, args)]
 
@@ -289,9 +319,15 @@ class LocalModule(nn.Module):
         self.fn = lambda t: t  # not picklable
 
 
+@pytest.fixture(scope="module")
+def api_world() -> Scenarios:
+    return run_scenarios(API_SCENARIOS, 3, timeout=200)
+
+
 @pytest.mark.timeout(240)
-def test_remote_calls_partition_reduce_errors_and_caching() -> None:
-    run_world(_api_world, 3, timeout=200)
+@pytest.mark.parametrize("name", [f.__name__ for f in API_SCENARIOS])
+def test_remote_calls(api_world: Scenarios, name: str) -> None:
+    api_world.check(name)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,15 +407,23 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _grad_world(rank: int, world_size: int) -> None:
-    if rank != 0:
-        return
+@functools.cache
+def _maml_setup() -> tuple[
+    ConvNet, tuple[torch.Tensor, ...], list[nn.Parameter], tuple[torch.Tensor, ...]
+]:
+    """The model, 7 tasks (3, 2, 2 over 3 workers) and the single-process meta-gradient."""
     torch.manual_seed(0)
     model = ConvNet()
-    tasks = _tasks(1, 7)  # 7 tasks over 3 workers: 3, 2, 2
+    tasks = _tasks(1, 7)
     params = list(model.parameters())
-    running_mean = model.bn.running_mean.clone()
+    ref_grads = torch.autograd.grad(maml_loss(model, *tasks), params)
+    return model, tasks, params, ref_grads
 
+
+def meta_gradients_match_single_process(world_size: int) -> None:
+    model, tasks, params, ref_grads = _maml_setup()
+    running_mean = model.bn.running_mean.clone()
+    model.zero_grad(set_to_none=True)
     # Distributed meta-gradients, as the MAML example writes them.
     with mag.context() as ctx:
         loss = remote_sync_call(
@@ -401,6 +445,9 @@ def _grad_world(rank: int, world_size: int) -> None:
         assert r.abs().sum() > 0, name
         assert _rel_err(d, r) <= 1e-5, (name, _rel_err(d, r))
 
+
+def grad_returns_new_tensors_and_never_double_counts(world_size: int) -> None:
+    model, tasks, params, ref_grads = _maml_setup()
     # grad(): new tensors, .grad untouched, a second call neither double-counts nor mutates.
     model.zero_grad(set_to_none=True)
     with mag.context() as ctx:
@@ -419,6 +466,9 @@ def _grad_world(rank: int, world_size: int) -> None:
     for p, r in zip(params, ref_grads, strict=True):  # the raw map holds both passes
         assert _rel_err(gradient_map[p], 2 * r) <= 1e-5
 
+
+def backward_accumulates_like_torch_autograd(world_size: int) -> None:
+    model, tasks, params, ref_grads = _maml_setup()
     # backward() accumulates into existing .grad like torch.autograd.backward; the decorated
     # form used by the MAML example works the same.
     for p in params:
@@ -429,6 +479,9 @@ def _grad_world(rank: int, world_size: int) -> None:
     for p, r in zip(params, ref_grads, strict=True):
         torch.testing.assert_close(p.grad, 1 + r, rtol=1e-5, atol=1e-6)
 
+
+def compressed_meta_gradient_is_close(world_size: int) -> None:
+    model, tasks, params, ref_grads = _maml_setup()
     # Compression: close to, but not exactly, the uncompressed meta-gradient. The error is
     # that of the wire dtype compounded through two inner steps; the conv bias feeds BatchNorm
     # (true gradient ~0), so compare the whole gradient vector.
@@ -448,6 +501,8 @@ def _grad_world(rank: int, world_size: int) -> None:
     assert 0 < errors["fp16"] < errors["bf16"] < 0.15, errors
     assert errors["fp16"] < 0.02, errors
 
+
+def parameter_leaves_are_differentiable(world_size: int) -> None:
     # nn.Parameter leaves are differentiable too (they arrive detached with raw RPC).
     w = nn.Parameter(torch.tensor([1.0, 2.0]))
     with mag.context() as ctx:
@@ -455,6 +510,9 @@ def _grad_world(rank: int, world_size: int) -> None:
         (gw,) = mag.grad(ctx, out, w)
     assert gw.tolist() == [3.0, 5.0]
 
+
+def unreachable_result_raises_instead_of_hanging(world_size: int) -> None:
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
     # A received result that the backward pass cannot reach raises instead of hanging.
     with mag.context() as ctx:
         (a,) = remote_sync_call(weighted, args=(w, torch.ones(2)), partitioner=1)
@@ -469,6 +527,9 @@ def _grad_world(rank: int, world_size: int) -> None:
         with pytest.raises(ValueError, match="scalars only"):
             mag.backward(ctx, [c])
 
+
+def later_pass_must_reach_earlier_results(world_size: int) -> None:
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
     # A later pass in the same context must reach the results received before an earlier pass
     # too (torch waits for them): it raises within seconds instead of hanging.
     v = nn.Parameter(torch.tensor([4.0, 6.0]))
@@ -490,6 +551,10 @@ def _grad_world(rank: int, world_size: int) -> None:
         gw, gv = _bounded(30, lambda: mag.grad(ctx, y + 2 * z, [w, v]))
     assert (gw.tolist(), gv.tolist()) == ([3.0, 5.0], [6.0, 10.0])
 
+
+def dangling_call_is_named(world_size: int) -> None:
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    x2 = torch.tensor([3.0, 5.0])
     # A call sent tensors that require grad but returning nothing differentiable (a metric):
     # torch would wait for its gradients forever; metadist names it. Under no_grad it is fine.
     with mag.context() as ctx:
@@ -508,6 +573,8 @@ def _grad_world(rank: int, world_size: int) -> None:
         assert _bounded(30, lambda: mag.grad(ctx, d.total, w))[0].tolist() == [2.0, 2.0]
     assert mag._open_contexts() == 0  # released when each context closed
 
+
+def bias_added_after_a_call_gets_its_gradient(world_size: int) -> None:
     # A bias added after a first call is used remotely and gets its gradient (stale cache).
     lin = nn.Linear(2, 1, bias=False)
     xb = torch.randn(4, 2)
@@ -523,6 +590,19 @@ def _grad_world(rank: int, world_size: int) -> None:
         torch.testing.assert_close(d, r)
 
 
+GRAD_SCENARIOS = [
+    meta_gradients_match_single_process,
+    grad_returns_new_tensors_and_never_double_counts,
+    backward_accumulates_like_torch_autograd,
+    compressed_meta_gradient_is_close,
+    parameter_leaves_are_differentiable,
+    unreachable_result_raises_instead_of_hanging,
+    later_pass_must_reach_earlier_results,
+    dangling_call_is_named,
+    bias_added_after_a_call_gets_its_gradient,
+]
+
+
 @parallelize(partitioner=dim_partitioner(0), reducer=mean_reducer)
 def decorated_maml_loss(
     model: nn.Module,
@@ -534,6 +614,12 @@ def decorated_maml_loss(
     return maml_loss(model, x_spt, y_spt, x_qry, y_qry)
 
 
+@pytest.fixture(scope="module")
+def grad_world() -> Scenarios:
+    return run_scenarios(GRAD_SCENARIOS, 3, timeout=200)
+
+
 @pytest.mark.timeout(240)
-def test_meta_gradients_through_module_arguments_match_single_process() -> None:
-    run_world(_grad_world, 3, timeout=200)
+@pytest.mark.parametrize("name", [f.__name__ for f in GRAD_SCENARIOS])
+def test_meta_gradients_through_module_arguments(grad_world: Scenarios, name: str) -> None:
+    grad_world.check(name)

@@ -11,19 +11,26 @@ At the end every worker reports no live RRefs, forks, pending users/futures or a
 from __future__ import annotations
 
 import gc
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
-from _dist import run_world
+from _dist import REPO, run_world
 from torch import nn
 
 from metadist import autograd as md_autograd
 from metadist.api import remote_async_call, remote_sync_call
+from metadist.network import free_loopback_port
 from metadist.reduce import cat_reducer, mean_reducer, sum_reducer
 
 SMALL_CALLS = 10_000
@@ -174,3 +181,67 @@ def test_soak_10k_calls_flat_memory_no_leaks() -> None:
     run_world(_world, 3, timeout=BUDGET_S + 20)
     elapsed = time.monotonic() - start
     assert elapsed <= BUDGET_S, f"soak took {elapsed:.1f} s (budget {BUDGET_S} s)"
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(150)
+def test_soak_with_a_killed_worker(tmp_path: Path) -> None:
+    """Mixed load on a world of 4; worker 3 is SIGKILLed half-way (tests/scripts/soak_faults.py).
+
+    The caller's calls to the survivors keep working and stay correct, calls to the dead worker
+    fail within seconds naming it, the survivors' memory stays flat, and every process exits.
+    """
+    port = free_loopback_port()
+    out = tmp_path / "figures.json"
+    processes = []
+    for rank in range(4):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+        }
+        log = (tmp_path / f"rank{rank}.log").open("w")
+        processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(REPO / "tests" / "scripts" / "soak_faults.py"),
+                    "--seconds",
+                    "40",
+                    "--out",
+                    str(out),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    try:
+        for p in processes:
+            p.wait(timeout=120)
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = "\n".join(
+        f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text()[-3000:]}" for r in range(4)
+    )
+    assert out.exists(), logs
+    figures = json.loads(out.read_text())
+    print(f"soak with a fault: {figures}")
+    assert processes[3].returncode == -signal.SIGKILL
+    latencies = figures["failure_latency_s"]
+    assert latencies, figures
+    assert max(latencies) < 5.0, latencies
+    assert figures["calls_per_s_after"] > 0.25 * figures["calls_per_s_before"], figures
+    growth = [
+        (b - a) / a for a, b in zip(figures["rss_kib_start"], figures["rss_kib_end"], strict=True)
+    ]
+    assert all(g < MAX_RSS_GROWTH for g in growth), (growth, figures)
