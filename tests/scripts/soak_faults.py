@@ -115,9 +115,11 @@ def drive(seconds: float) -> dict[str, object]:
                 md.remote_sync_call(leaf, args=(torch.ones(2),), partitioner=3, timeout=30)
             except Exception as error:
                 latencies.append(time.monotonic() - t0)
-                assert "worker3" in str(error), error
+                message = str(error)
             else:
-                raise AssertionError("a call to the killed worker succeeded")
+                message = "a call to the killed worker succeeded"
+            if "worker3" not in message:
+                raise AssertionError(message)
     figures["calls_per_s_after"] = calls / (time.monotonic() - start)
     figures["rounds"] = i
     figures["failure_latency_s"] = latencies
