@@ -130,6 +130,29 @@ class _GradLeaf:
         return (_GradLeaf, (self.tensor,))
 
 
+class _Packed:
+    """Several parameters of one dtype as one flat tensor, with the shape of each.
+
+    Each tensor of a message costs distributed autograd its own bookkeeping on both sides, in
+    the forward and the backward pass; a module's small parameters travel (and their gradients
+    come back) as one tensor instead.
+    """
+
+    __slots__ = ("flat", "shapes")
+
+    def __init__(self, flat: torch.Tensor | _Compressed, shapes: tuple[torch.Size, ...]) -> None:
+        self.flat = flat
+        self.shapes = shapes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Packed, (self.flat, self.shapes))
+
+
+#: Modules whose parameters total at most this many bytes send them packed (see _Packed); the
+#: copy into one buffer costs more than it saves for large models.
+PACK_BYTES = 4 << 20
+
+
 class _ModuleRef:
     """A module on the wire: structure fingerprint (+ bytes if not cached yet) and its tensors."""
 
@@ -148,7 +171,7 @@ class _ModuleRef:
         self,
         fingerprint: str,
         structure: bytes | None,
-        params: tuple[torch.Tensor, ...],
+        params: tuple[torch.Tensor, ...] | _Packed,
         param_dtypes: tuple[torch.dtype, ...] | None,
         buffers: tuple[torch.Tensor | None, ...],
         buffer_dtypes: tuple[torch.dtype | None, ...] | None,
@@ -452,7 +475,12 @@ def _encode_module(
     params: list[torch.Tensor] = []
     param_dtypes: list[torch.dtype] = []
     requires_grad = 0
+    packed = _pack(plan, modules, dtype) if attached else None
     for i, (k, _, p) in enumerate(plan.param_reads):
+        if packed is not None:
+            requires_grad |= int(p.requires_grad) << i
+            param_dtypes.append(p.dtype)
+            continue
         if p.requires_grad:
             requires_grad |= 1 << i
         if attached and p.requires_grad:
@@ -482,7 +510,7 @@ def _encode_module(
         if m.training:
             training |= 1 << i
     parts = (
-        tuple(params),
+        tuple(params) if packed is None else packed,
         tuple(param_dtypes) if dtype is not None else None,
         tuple(buffers),
         tuple(buffer_dtypes) if dtype is not None else None,
@@ -491,6 +519,26 @@ def _encode_module(
     )
     memo.modules[id(module)] = (plan, parts)
     return plan, parts
+
+
+def _pack(plan: _SendPlan, modules: tuple[nn.Module, ...], dtype: torch.dtype | None) -> Any:
+    """The module's parameters as one :class:`_Packed` tensor, or ``None`` where that won't do."""
+    tensors = [p for _, _, p in plan.param_reads]
+    if len(tensors) < 2 or len({t.dtype for t in tensors}) > 1:
+        return None
+    if any(t.layout != torch.strided for t in tensors):
+        return None
+    if sum(t.numel() for t in tensors) * tensors[0].element_size() > PACK_BYTES:
+        return None
+    if any(getattr(m, "sparse", False) is True for m in modules):
+        return None  # sparse gradients cannot flow through the flat buffer's views
+    flat = torch.cat(
+        [t.reshape(-1) if t.requires_grad else t.detach().reshape(-1) for t in tensors]
+    )
+    wire, original = _wire(flat, dtype)
+    return _Packed(
+        wire if original is None else _Compressed(wire, original), tuple(t.shape for t in tensors)
+    )
 
 
 _SCALARS = (str, bytes, int, float, complex, bool, type(None))
@@ -732,11 +780,25 @@ def _unwire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
+def _unpack(packed: _Packed, requires_grad: int) -> list[torch.Tensor]:
+    flat = packed.flat
+    if isinstance(flat, _Compressed):
+        flat = _unwire(flat.tensor, flat.dtype)
+    pieces = flat.split([shape.numel() for shape in packed.shapes])
+    return [
+        piece.view(shape) if requires_grad >> i & 1 else piece.detach().view(shape)
+        for i, (piece, shape) in enumerate(zip(pieces, packed.shapes, strict=True))
+    ]
+
+
 def _decode_module(ref: _ModuleRef) -> nn.Module:
     rebuilder = _rebuilder(ref.fingerprint, ref.structure)
-    params = list(ref.params)
-    if ref.param_dtypes is not None:
-        params = [_unwire(t, d) for t, d in zip(params, ref.param_dtypes, strict=True)]
+    if isinstance(ref.params, _Packed):
+        params = _unpack(ref.params, ref.requires_grad)
+    else:
+        params = list(ref.params)
+        if ref.param_dtypes is not None:
+            params = [_unwire(t, d) for t, d in zip(params, ref.param_dtypes, strict=True)]
     for i, t in enumerate(params):
         # Outside a distributed autograd context nothing is tracked; keep requires_grad anyway
         # so local autograd inside the remote function behaves as with the caller's module.
@@ -839,5 +901,6 @@ def wire_bytes(tree: Any) -> int:
         if isinstance(item, torch.Tensor):
             total += item.numel() * item.element_size()
         elif isinstance(item, _ModuleRef):
-            total += wire_bytes([*item.params, *item.buffers])
+            params = item.params.flat if isinstance(item.params, _Packed) else item.params
+            total += wire_bytes([params, *item.buffers])
     return total
