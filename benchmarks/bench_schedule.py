@@ -15,7 +15,10 @@ The script prints the medians, the spread over rounds, the ratios against the ta
 (dynamic within 1.15x of ideal and >= 1.3x faster than static on the skewed batch; dynamic no
 slower than 1.03x static on the even batch), and checks that both schedules give the same loss.
 
-Run: ``python benchmarks/bench_schedule.py`` (``--quick`` for a smoke run).
+Run: ``python benchmarks/bench_schedule.py`` (``--quick`` for a smoke run). With
+``--timeline DIR`` it also records one step of each schedule on the skewed batch with
+:func:`metadist.timeline.record`, saves the Chrome traces and draws them side by side in
+``DIR/timeline-schedules.png``.
 """
 
 from __future__ import annotations
@@ -96,6 +99,12 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
             return
         results: dict[str, Any] = {}
         model = make_model()
+        if cfg.get("timeline"):
+            x, steps = batch("skewed", cfg["tasks"])
+            for schedule in ("static", "dynamic"):
+                step(model, x, steps, schedule)  # warm up
+                with metadist.timeline.record(Path(cfg["timeline"]) / f"{schedule}.json"):
+                    step(model, x, steps, schedule)
         for kind in ("skewed", "even"):
             x, steps = batch(kind, cfg["tasks"])
             same = torch.equal(step(model, x, steps, "static"), step(model, x, steps, "dynamic"))
@@ -125,8 +134,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round and variant")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--quick", action="store_true", help="a smoke run")
+    parser.add_argument("--timeline", type=Path, help="save traces and a timeline picture here")
     args = parser.parse_args()
-    cfg = {"tasks": args.tasks, "steps": args.steps, "rounds": args.rounds}
+    cfg: dict[str, Any] = {"tasks": args.tasks, "steps": args.steps, "rounds": args.rounds}
+    if args.timeline:
+        args.timeline.mkdir(parents=True, exist_ok=True)
+        cfg["timeline"] = str(args.timeline)
     if args.quick:
         cfg.update(steps=2, rounds=2)
     with tempfile.TemporaryDirectory() as folder:
@@ -160,6 +173,46 @@ def main() -> None:
             back = [1 / r for r in ratios]
             print(f"  dynamic / static   {1 / r_static:5.2f} {spread_of(back)}  target <= 1.03")
         print(f"  same loss under both schedules: {res['same_loss']}")
+    if args.timeline:
+        picture = args.timeline / "timeline-schedules.png"
+        draw_timelines([args.timeline / "static.json", args.timeline / "dynamic.json"], picture)
+        print(f"\ntraces in {args.timeline}; picture {picture}")
+
+
+def draw_timelines(traces: list[Path], picture: Path) -> None:
+    """Draw Chrome traces written by metadist.timeline one above the other (a Gantt chart)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(traces), 1, figsize=(8, 1.6 * len(traces) + 0.6), sharex=True)
+    for ax, path in zip(axes, traces, strict=True):
+        events = json.loads(path.read_text())["traceEvents"]
+        names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+        lanes = sorted(names)
+        for e in events:
+            row = lanes.index(e["pid"]) if e["ph"] != "M" else None
+            if e["ph"] == "X":
+                ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (row - 0.4, 0.8), edgecolor="k")
+                ax.text(
+                    (e["ts"] + e["dur"] / 2) / 1e3,
+                    row,
+                    e["name"].split("[")[1][:-1],
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
+            elif e["ph"] == "i":
+                ax.plot([e["ts"] / 1e3], [row + 0.45], "v", color="tab:red", markersize=4)
+        ax.set_yticks(range(len(lanes)), [names[p] for p in lanes])
+        ax.set_title(
+            f"{path.stem} schedule (bars: task i forward on the worker; red: its gradients sent)",
+            fontsize=9,
+        )
+    axes[-1].set_xlabel("ms since the first partition was sent")
+    fig.tight_layout()
+    fig.savefig(picture, dpi=120)
 
 
 if __name__ == "__main__":

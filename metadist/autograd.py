@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -382,9 +383,12 @@ def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> int:
     # Holds the visited nodes: their Python wrappers may be created on access, and a freed
     # one's id could be reused by another node.
     seen: dict[int, Any] = {}
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    # Breadth first: remote results sit a few nodes below the roots (under the reducer), while
+    # the graph of an in-process partition can hold thousands of nodes; depth first could walk
+    # all of them before finding the results.
+    stack = collections.deque(t.grad_fn for t in roots if t.grad_fn is not None)
     while stack and pending:
-        node = stack.pop()
+        node = stack.popleft()
         if id(node) in seen:
             continue
         seen[id(node)] = node
