@@ -155,44 +155,46 @@ def _in_grad_mode(mode: int) -> contextlib.AbstractContextManager[Any]:
     return torch.set_grad_enabled(mode == _GRAD)
 
 
-class _TieToInputs(torch.autograd.Function):
-    """Pass ``output`` through, and give every input a (zero) gradient in the backward pass.
+class _TieToInput(torch.autograd.Function):
+    """Pass ``output`` through, and give ``received`` a (zero) gradient in the backward pass.
 
-    torch's distributed autograd waits, in every backward pass of a context, for a gradient of
-    every tensor a worker received in it. A remote function whose result does not depend on one
-    of its differentiable arguments (a fresh leaf made on the worker, an argument it ignores)
-    would leave that wait unfinished forever; tied to the result, each argument receives a
-    gradient (zero where it was unused, as its true gradient is), and the caller's check of
-    which results a backward pass reaches holds through chained calls.
+    torch's distributed autograd waits, in every backward pass of a context, until the node that
+    received a message's tensors on a worker has sent their gradients back. A remote function
+    whose result depends on none of them (a fresh leaf made on the worker, arguments it ignores)
+    would leave that wait unfinished forever. All tensors of one message share that node, so
+    tying the result to one of them is enough: the node then runs and returns zeros for every
+    tensor the result did not use, as their true gradient is. It also makes the caller's check
+    of which results a backward pass reaches exact through chained calls.
     """
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(*inputs)
+    def forward(ctx: Any, output: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype = received.shape, received.dtype
         return output.view_as(output)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (grad, *(torch.zeros_like(t) for t in ctx.saved_tensors))
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_zeros(()).to(ctx.dtype).expand(ctx.shape)
 
 
-def _received_grad_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """Tensors (module parameters included) that arrived through distributed autograd."""
-    found = []
+def _received_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A tensor (or module parameter) that arrived through distributed autograd, if any."""
     leaves, _ = tree_flatten((args, kwargs))
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if leaf.grad_fn is not None:
-                found.append(leaf)
+                return leaf
         elif isinstance(leaf, torch.nn.Module):
-            found.extend(p for p in leaf.parameters() if p.grad_fn is not None)
-    return found
+            for p in leaf.parameters():
+                if p.grad_fn is not None:
+                    return p
+    return None
 
 
-def _finish_result(result: Any, inputs: list[torch.Tensor]) -> Any:
-    """Tie the result to the received inputs; refuse results that cannot travel faithfully."""
+def _finish_result(result: Any, received: torch.Tensor | None) -> Any:
+    """Tie the result to a received input; refuse results that cannot travel faithfully."""
     leaves, spec = tree_flatten(result)
-    tied = not inputs
+    tied = received is None
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, (torch.nn.Module, torch.nn.Parameter)):
             kind = "a module" if isinstance(leaf, torch.nn.Module) else "an nn.Parameter"
@@ -203,9 +205,9 @@ def _finish_result(result: Any, inputs: list[torch.Tensor]) -> Any:
                 f"e.g. {{name: p * 1 for name, p in module.named_parameters()}})"
             )
         if not tied and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            leaves[i] = _TieToInputs.apply(leaf, *inputs)
+            leaves[i] = _TieToInput.apply(leaf, received)
             tied = True
-    return tree_unflatten(leaves, spec) if inputs and tied else result
+    return tree_unflatten(leaves, spec) if received is not None and tied else result
 
 
 def _result_path(result: Any, index: int) -> str:
@@ -247,7 +249,7 @@ def _run_partition(  # noqa: PLR0917 - the RPC target; positional on the wire
     try:
         with _in_grad_mode(grad_mode):
             result = getattr(func, _ORIGINAL, func)(*args, **kwargs)
-            result = _finish_result(result, _received_grad_inputs(args, kwargs))
+            result = _finish_result(result, _received_input(args, kwargs))
         if compression is not None:
             result = transport.compress_tree(result, compression)
     except Exception as error:
@@ -505,7 +507,7 @@ class _Call:
             self.records[index].start = self.records[index].sent
         try:
             result = getattr(self.func, _ORIGINAL, self.func)(*args, **kwargs)
-            _finish_result(result, [])
+            _finish_result(result, None)
         except Exception as error:
             failure = RemoteFailure.capture(error, self.own, "call")
             raised = failure.to_exception(index, len(self.parts), self.func_name)
