@@ -9,6 +9,7 @@ results holding parameters, and errors of local and timed-out partitions.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -118,6 +119,36 @@ def fail_on_task_three(x: torch.Tensor) -> torch.Tensor:
     if int(x.item()) == 3:
         raise KeyError(f"task {int(x.item())} on {md.get_worker_name()}")
     return x
+
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+class Holder:
+    """An object pytree cannot open, holding a tensor as an attribute."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+
+class Slotted:
+    __slots__ = ("w",)
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+
+def container_loss(tree: Any, x: torch.Tensor) -> torch.Tensor:
+    """Sum of every tensor leaf (modules applied to x) of ``tree``, weighted by position."""
+    leaves, _ = torch.utils._pytree.tree_flatten(tree)
+    total = x.sum() * 0
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, nn.Module):
+            out = leaf(x)
+            total = total + (out[0] if isinstance(out, tuple) else out).pow(2).sum() * (i + 1)
+        elif isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            total = total + (leaf * (i + 1)).pow(2).sum()
+    return total
 
 
 @dataclasses.dataclass
@@ -350,6 +381,128 @@ def timeouts_name_their_partition(world_size: int) -> None:
     assert "partition 1 (TimeoutError)" in notes, notes
 
 
+def _containers(w: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    return {
+        "tuple": (w, v),
+        "list": [w, [v, 3]],
+        "dict": {"w": w, "v": {"deep": v}},
+        "ordered dict": collections.OrderedDict(w=w, v=v),
+        "namedtuple": Pair(w, v),
+        "registered dataclass": OpenBox(w),
+        "none and numbers": (None, 2.5, w, "tag", v),
+    }
+
+
+def _modules() -> dict[str, Callable[[], nn.Module]]:
+    return {
+        "linear": lambda: nn.Linear(4, 3),
+        "sequential with eval batchnorm": lambda: nn.Sequential(
+            nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 2)
+        ).eval(),
+        "shared weights": _tied,
+        "frozen first layer": _frozen,
+        "gru": lambda: nn.GRU(4, 3, batch_first=True),
+    }
+
+
+def _tied() -> nn.Module:
+    first = nn.Linear(4, 4)
+    return nn.Sequential(first, nn.Tanh(), first)
+
+
+def _frozen() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    return model
+
+
+def split_x_only(tree: Any, x: torch.Tensor) -> list[tuple[int, tuple[Any, ...], dict[str, Any]]]:
+    """A partitioner that replicates ``tree`` and splits ``x`` over the three workers."""
+    return [(w, (tree, chunk), {}) for w, chunk in enumerate(torch.tensor_split(x, 3))]
+
+
+def remote_equals_local_over_a_table(world_size: int) -> None:
+    """Values and gradients equal the local run for every container, module and partitioner."""
+    x = torch.randn(6, 4)
+    cases = 0
+    for partitioner in (0, 1, split_x_only):  # in-process, remote, split over all three
+        for name, tree in _containers(
+            nn.Parameter(torch.randn(3)), torch.randn(2, requires_grad=True)
+        ).items():
+            leaves = [
+                t for t in torch.utils._pytree.tree_flatten(tree)[0] if isinstance(t, torch.Tensor)
+            ]
+            with mag.context() as ctx:
+                out = md.remote_sync_call(container_loss, args=(tree, x), partitioner=partitioner)
+                grads = mag.grad(ctx, sum(out), leaves)
+            parts = [x] if partitioner != split_x_only else list(torch.tensor_split(x, 3))
+            local = sum(container_loss(tree, c) for c in parts)
+            expected = torch.autograd.grad(local, leaves)
+            assert_close(sum(out).detach(), local.detach(), f"{name} value ({partitioner})")
+            for g, e in zip(grads, expected, strict=True):
+                assert_close(g, e, f"{name} gradient ({partitioner})")
+            cases += 1
+        for name, make in _modules().items():
+            seq = x.unsqueeze(1) if name == "gru" else x
+            torch.manual_seed(5)
+            remote = make()
+            local_model = make()
+            local_model.load_state_dict(remote.state_dict())
+            params = [p for p in remote.parameters() if p.requires_grad]
+            with mag.context() as ctx:
+                out = md.remote_sync_call(
+                    container_loss, args=([remote], seq), partitioner=partitioner
+                )
+                grads = mag.grad(ctx, sum(out), params)
+            parts = [seq] if partitioner != split_x_only else list(torch.tensor_split(seq, 3))
+            local = sum(container_loss([local_model], c) for c in parts)
+            expected = torch.autograd.grad(
+                local, [p for p in local_model.parameters() if p.requires_grad]
+            )
+            assert_close(sum(out).detach(), local.detach(), f"{name} value ({partitioner})")
+            for g, e in zip(grads, expected, strict=True):
+                assert_close(g, e, f"{name} gradient ({partitioner})")
+            cases += 1
+    assert cases == 3 * (7 + 5)
+
+
+def no_container_hides_a_gradient(world_size: int) -> None:
+    """Every container either carries the gradient or is refused before sending: never lost."""
+    x = torch.arange(3.0)
+    kinds: dict[str, Callable[[torch.Tensor], Any]] = {
+        "plain dataclass": Box,
+        "object attribute": Holder,
+        "slots object": Slotted,
+        "set": lambda w: {w},
+        "frozenset": lambda w: frozenset([w]),
+        "tuple": lambda w: (w,),
+        "dict": lambda w: {"w": w},
+        "registered dataclass": OpenBox,
+        "namedtuple": lambda w: Pair(w, w),
+    }
+    refused = []
+    for name, wrap in kinds.items():
+        w = nn.Parameter(torch.ones(3))
+        try:
+            with mag.context() as ctx:
+                (loss,) = md.remote_sync_call(container_loss, args=(wrap(w), x), partitioner=1)
+                mag.backward(ctx, [loss])
+        except TypeError as error:
+            refused.append((name, str(error)))
+            continue
+        assert w.grad is not None, f"{name}: the gradient was lost"
+        assert w.grad.abs().sum() > 0, name
+    for name, message in refused:
+        assert "requires grad inside an object" in message, (name, message)
+    assert sorted(name for name, _ in refused) == [
+        "frozenset",
+        "object attribute",
+        "plain dataclass",
+        "set",
+        "slots object",
+    ]
+
+
 def nested_fan_out_ten_times_the_pool(world_size: int) -> None:
     x = torch.arange(160.0)  # 80 tasks per worker, 5x its 16 RPC threads, each nesting a call
     workers = md.dim_partitioner(0, exclusive=True, workers=[1, 2])
@@ -408,6 +561,8 @@ SCENARIOS = [
     result_holding_a_parameter_is_refused,
     local_and_remote_errors_look_alike,
     timeouts_name_their_partition,
+    remote_equals_local_over_a_table,
+    no_container_hides_a_gradient,
     nested_fan_out_ten_times_the_pool,
     dynamic_schedule_equals_static,
     dynamic_schedule_errors_name_task_and_worker,
