@@ -149,12 +149,22 @@ def test_rank_selectors_in_world_of_one(clean_env: pytest.MonkeyPatch) -> None:
     assert not0() is None
     assert calls == ["zero"]
 
-    @metadist.on_rank(0, 3)
-    def needs_four() -> None:
-        pass
+    # A rank beyond the world never matches: the script of a larger world runs alone.
+    @metadist.on_rank(1)
+    def on1() -> str:
+        return "on1"
 
-    with pytest.raises(ValueError, match=r"on_rank: ranks \[3\] do not exist in a world of size 1"):
-        needs_four()
+    @metadist.not_on_rank(1)
+    def not1() -> str:
+        return "not1"
+
+    @metadist.on_rank(0, 3)
+    def on03() -> str:
+        return "on03"
+
+    assert on1() is None
+    assert not1() == "not1"
+    assert on03() == "on03"
     # The rank is read at call time, not at decoration.
     clean_env.setenv("RANK", "1")
     clean_env.setenv("WORLD_SIZE", "2")
@@ -181,25 +191,26 @@ def test_rank_selectors_reject_bad_ranks(
 def test_listening_interface_plan(clean_env: pytest.MonkeyPatch) -> None:
     # Which interface a launch listens on, decided before RPC starts (no RPC needed).
     from metadist.launch import _plan
+    from metadist.world import read_launch_environment
 
     for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         clean_env.delenv(name, raising=False)
     multi = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     for name, value in {**multi, "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "1"}.items():
         clean_env.setenv(name, value)
-    info = metadist.get_world_info()
+    launch = read_launch_environment()
     with pytest.raises(ValueError, match=r"MASTER_ADDR='no-such-host.invalid' does not resolve"):
-        _plan(info, 60.0)
+        _plan(launch, 60.0)
     # User-set interfaces always win: metadist neither second-guesses nor fails on them.
     clean_env.setenv("TP_SOCKET_IFNAME", "lo")
     clean_env.setenv("GLOO_SOCKET_IFNAME", "lo")
-    binding, _ = _plan(info, 60.0)
+    binding, _ = _plan(launch, 60.0)
     assert (binding.ifname, binding.address) == ("lo", "127.0.0.1")
     # One node, whatever MASTER_ADDR names: loopback, served by metadist's loopback store.
     clean_env.delenv("TP_SOCKET_IFNAME")
     clean_env.delenv("GLOO_SOCKET_IFNAME")
     clean_env.setenv("LOCAL_WORLD_SIZE", "4")
-    binding, url = _plan(metadist.get_world_info(), 60.0)
+    binding, url = _plan(read_launch_environment(), 60.0)
     assert binding.loopback
     assert binding.ifname == "lo"
     assert url.startswith("metadist-loopback://127.0.0.1:1?")
@@ -393,8 +404,8 @@ def test_readme_quickstart_under_torchrun(tmp_path: os.PathLike[str]) -> None:
 def test_single_node_torchrun_listens_on_loopback_whatever_master_addr_is() -> None:
     # torchrun --standalone sets MASTER_ADDR to the host's FQDN, which on many machines resolves
     # to a LAN address; a single-node job must still keep RPC off the network.
-    ifname = network._default_route_interface()
-    lan = network._ipv4_of(ifname) if ifname is not None else None
+    ifname = network.default_route_interface()
+    lan = network.ipv4_of(ifname) if ifname is not None else None
     if lan is None:
         pytest.skip("this machine has no non-loopback IPv4 address to use as MASTER_ADDR")
     command = [
