@@ -20,7 +20,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch.distributed.rpc as rpc
 from torch.futures import Future
@@ -65,9 +65,8 @@ _NOT_INITIALIZED = (
 )
 
 
-@dataclass(frozen=True)
-class WorldInfo:
-    """Ranks and sizes of this worker.
+class WorldInfo(NamedTuple):
+    """Ranks and sizes of this worker; a named tuple, as in TorchOpt (it unpacks).
 
     Attributes:
         world_rank: Global rank of this worker, in ``[0, world_size)``.
@@ -110,6 +109,9 @@ def default_worker_name_format(
 ) -> str:
     """Name workers ``worker0 … workerN-1``, zero-padded so name order equals rank order.
 
+    The width is that of ``world_size``, as in TorchOpt, so both name the workers of a world
+    of 10 ``worker00 … worker09``.
+
     Args:
         world_rank: Global rank of the worker.
         world_size: Number of workers.
@@ -126,7 +128,7 @@ def default_worker_name_format(
         'worker03'
     """
     del local_rank, local_world_size
-    return f"worker{world_rank:0{len(str(world_size - 1))}d}"
+    return f"worker{world_rank:0{len(str(world_size))}d}"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
-from _dist import Scenarios
+from _dist import REPO, Scenarios, run_torchrun
 from torch import nn
 
 import metadist
@@ -203,7 +204,7 @@ def _user_worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def user_world() -> Iterator[Scenarios]:
+def user_world() -> Scenarios:
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "results.json")
         context = mp.start_processes(
@@ -227,7 +228,7 @@ def user_world() -> Iterator[Scenarios]:
                     process.kill()
                 process.join(5)
         results = json.loads(Path(out).read_text()) if os.path.exists(out) else {}
-    yield Scenarios(results, error)
+    return Scenarios(results, error)
 
 
 @pytest.mark.timeout(180)
@@ -247,3 +248,45 @@ def test_torch_still_lets_metadist_list_the_workers() -> None:
         )
     assert world._running_rpc_agent() is None  # no RPC in this process
     assert not world.in_rpc_world()
+
+
+# ---------------------------------------------------------------------------------------------
+# A torchopt.distributed program, with only its import changed
+
+TORCHOPT_DIR = REPO / ".bench-deps" / "torchopt"
+FEWSHOT = REPO / "tests" / "scripts" / "torchopt_fewshot.py"
+TORCHOPT_IMPORT = "import torchopt.distributed as todist\n"
+
+
+def _numbers(stdout: str) -> list[float]:
+    lines = [line for line in stdout.splitlines() if line.startswith(("STEP", "FINAL"))]
+    assert len(lines) == 4, stdout
+    return [float(value) for line in lines for value in re.findall(r"=?(-?\d+\.\d+)", line)]
+
+
+@pytest.mark.timeout(240)
+def test_torchopt_fewshot_program_runs_with_only_the_import_changed(tmp_path: Path) -> None:
+    if not (TORCHOPT_DIR / "torchopt" / "__init__.py").is_file():
+        pytest.skip(
+            "torchopt 0.7.3 is not in .bench-deps/torchopt (metadist does not depend on it); "
+            "`make bench-deps` installs it there"
+        )
+    source = FEWSHOT.read_text()
+    assert source.count(TORCHOPT_IMPORT) == 1
+    switched = tmp_path / "fewshot_metadist.py"
+    switched.write_text(source.replace(TORCHOPT_IMPORT, "import metadist as todist\n"))
+    # TorchOpt leaves TensorPipe's interface to torch; keep both runs on loopback.
+    env = {
+        "PYTHONPATH": f"{REPO}{os.pathsep}{TORCHOPT_DIR}",
+        "TP_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+    runs = {}
+    for name, script in (("torchopt", FEWSHOT), ("metadist", switched)):
+        result = run_torchrun(script, 2, timeout=200, env=env, cwd=tmp_path)
+        assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr}"
+        runs[name] = _numbers(result.stdout)
+    # Same losses, accuracies, meta-gradient norms and final weights; the last digits may
+    # differ with the order in which the workers' gradients are summed.
+    assert runs["metadist"] == pytest.approx(runs["torchopt"], rel=1e-6, abs=1e-7)
+    assert all(abs(value) > 0 for value in runs["metadist"][2::3][:3]), "no meta-gradient"

@@ -93,9 +93,13 @@ def test_default_worker_names_sort_like_ranks() -> None:
     assert default_worker_name_format(
         world_rank=0, world_size=1, local_rank=0, local_world_size=1
     ) == ("worker0")
+    # TorchOpt's width: that of the world size.
     assert default_worker_name_format(
         world_rank=9, world_size=10, local_rank=0, local_world_size=1
-    ) == ("worker9")
+    ) == ("worker09")
+    assert default_worker_name_format(
+        world_rank=8, world_size=9, local_rank=0, local_world_size=1
+    ) == ("worker8")
 
 
 def test_worker_id_without_rpc(clean_env: pytest.MonkeyPatch) -> None:
