@@ -291,14 +291,6 @@ def master_address(launcher: str) -> tuple[str, int]:
 
     Raises:
         ValueError: A needed variable is missing or malformed (the message names it).
-
-    Example:
-        >>> import os
-        >>> os.environ.update(SLURM_JOB_NODELIST="gpu[07-08]", SLURM_JOB_ID="123456")
-        >>> master_address("srun")  # unless MASTER_ADDR / MASTER_PORT are set
-        ('gpu07', 21456)
-        >>> for name in ("SLURM_JOB_NODELIST", "SLURM_JOB_ID"):
-        ...     del os.environ[name]
     """
     addr = os.environ.get("MASTER_ADDR")
     port = os.environ.get("MASTER_PORT")

@@ -422,7 +422,9 @@ def test_single_node_torchrun_listens_on_loopback_whatever_master_addr_is() -> N
         f"--master_port={network.free_loopback_port()}",
         str(REPO / "tests" / "scripts" / "multinode_worker.py"),
     ]
-    result = run_command(command, timeout=100, env={"PYTHONPATH": str(REPO / "tests")})
+    result = run_command(
+        command, timeout=100, env={"PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
+    )
     assert result.returncode == 0, result.stderr
     assert "ROUNDTRIP OK peer=worker1" in result.stdout, result.stdout
     peer = result.stdout.split("peer_listens=")[1].splitlines()[0]
