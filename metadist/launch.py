@@ -340,7 +340,9 @@ def _single_node(launch: LaunchEnvironment) -> bool:
     return info.local_world_size == info.world_size
 
 
-def _plan(launch: LaunchEnvironment, timeout: float) -> tuple[network.Binding, str]:
+def _listener_and_rendezvous(
+    launch: LaunchEnvironment, timeout: float
+) -> tuple[network.Binding, str]:
     """Choose the interface to listen on and the rendezvous URL for this launch."""
     info = launch.info
     if launch.launcher == "python":
@@ -422,7 +424,7 @@ def _run_in_world(
         # The TCP transport ("uv", over loopback on one node) waits in epoll instead.
         options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])
     timeout = float(options.rpc_timeout)
-    binding, url = _plan(launch, timeout)
+    binding, url = _listener_and_rendezvous(launch, timeout)
     if options.init_method == "env://":
         options.init_method = url
     network.install_rendezvous_handlers()

@@ -50,6 +50,7 @@ __all__ = [
     "rank_zero_only",
     "read_launch_environment",
     "require_rpc",
+    "tasks_per_node",
     "wait_all",
     "world_token",
 ]

@@ -27,7 +27,9 @@ TORCHRUN_ENV = (
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in TORCHRUN_ENV:
+    # Tests run inside a SLURM job or under mpirun must not see their launcher either.
+    launchers = [name for name in os.environ if name.startswith(("SLURM_", "OMPI_COMM_WORLD_"))]
+    for name in (*TORCHRUN_ENV, *launchers):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -192,9 +194,9 @@ def test_rank_selectors_reject_bad_ranks(
         factory(*ranks)  # type: ignore[operator]
 
 
-def test_listening_interface_plan(clean_env: pytest.MonkeyPatch) -> None:
+def test_listening_interface_and_rendezvous(clean_env: pytest.MonkeyPatch) -> None:
     # Which interface a launch listens on, decided before RPC starts (no RPC needed).
-    from metadist.launch import _plan
+    from metadist.launch import _listener_and_rendezvous
     from metadist.world import read_launch_environment
 
     for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
@@ -204,17 +206,17 @@ def test_listening_interface_plan(clean_env: pytest.MonkeyPatch) -> None:
         clean_env.setenv(name, value)
     launch = read_launch_environment()
     with pytest.raises(ValueError, match=r"MASTER_ADDR='no-such-host.invalid' does not resolve"):
-        _plan(launch, 60.0)
+        _listener_and_rendezvous(launch, 60.0)
     # User-set interfaces always win: metadist neither second-guesses nor fails on them.
     clean_env.setenv("TP_SOCKET_IFNAME", "lo")
     clean_env.setenv("GLOO_SOCKET_IFNAME", "lo")
-    binding, _ = _plan(launch, 60.0)
+    binding, _ = _listener_and_rendezvous(launch, 60.0)
     assert (binding.ifname, binding.address) == ("lo", "127.0.0.1")
     # One node, whatever MASTER_ADDR names: loopback, served by metadist's loopback store.
     clean_env.delenv("TP_SOCKET_IFNAME")
     clean_env.delenv("GLOO_SOCKET_IFNAME")
     clean_env.setenv("LOCAL_WORLD_SIZE", "4")
-    binding, url = _plan(read_launch_environment(), 60.0)
+    binding, url = _listener_and_rendezvous(read_launch_environment(), 60.0)
     assert binding.loopback
     assert binding.ifname == "lo"
     assert url.startswith("metadist-loopback://127.0.0.1:1?")
