@@ -290,3 +290,29 @@ def test_torchopt_fewshot_program_runs_with_only_the_import_changed(tmp_path: Pa
     # differ with the order in which the workers' gradients are summed.
     assert runs["metadist"] == pytest.approx(runs["torchopt"], rel=1e-6, abs=1e-7)
     assert all(abs(value) > 0 for value in runs["metadist"][2::3][:3]), "no meta-gradient"
+
+
+# torch's own rpc.shutdown warns about its Gloo group; metadist is not involved there.
+@pytest.mark.filterwarnings("ignore:You are using a Backend:UserWarning")
+def test_a_restarted_user_world_is_a_new_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Caches keyed on the world (which module structures a worker holds) must not survive
+    # rpc.shutdown() and a new rpc.init_rpc, even under the same names.
+    monkeypatch.setenv("TP_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    network.install_rendezvous_handlers()
+    tokens = []
+    for _ in range(2):
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"{network.LOCAL_SCHEME}://", _transports=["uv"]
+        )
+        rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=options)
+        try:
+            assert metadist.get_worker_names() == ("solo",)
+            assert world.world_token() is world.world_token()
+            tokens.append(world.world_token())
+            metadist.barrier()
+            metadist.barrier()  # a second barrier is a new rendezvous, not the first one again
+        finally:
+            rpc.shutdown()
+        assert not world.in_rpc_world()
+    assert tokens[0] is not tokens[1]
