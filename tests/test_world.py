@@ -403,7 +403,18 @@ def test_readme_quickstart_under_torchrun(tmp_path: os.PathLike[str]) -> None:
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("mean loss")]
     assert len(lines) == 1, result.stdout  # printed by rank 0 only
+    assert lines[0].endswith(" on 2 workers"), lines
     assert "Warning" not in result.stderr, result.stderr
+    # Alone, under plain python: one worker, in the singular.
+    alone = run_command([sys.executable, script], timeout=100)
+    assert alone.returncode == 0, alone.stderr
+    assert re.search(r"^mean loss \S+ on 1 worker$", alone.stdout, re.M), alone.stdout
+
+
+def test_license_is_an_spdx_expression() -> None:
+    # A table ({text = ...}) makes setuptools print deprecation boxes on every install.
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^license = "Apache-2\.0"$', pyproject, re.M), "license must be SPDX"
 
 
 @pytest.mark.timeout(120)
