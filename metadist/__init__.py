@@ -81,3 +81,28 @@ __all__ = [
     "sum_reducer",
     "timeline",
 ]
+
+# The rest of torchopt.distributed's namespace, so that `import metadist as todist` runs its
+# programs: torch's rpc and distributed modules (for `todist.rpc.RRef(...)`), is_available and
+# TensorDimensionPartitioner.
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from metadist.partition import TensorDimensionPartitioner
+
+
+def is_available() -> bool:
+    """Whether torch has what metadist needs: ``torch.distributed``, RPC and distributed autograd.
+
+    Returns:
+        ``True`` when all three are built into this torch.
+
+    Example:
+        >>> import metadist
+        >>> metadist.is_available()
+        True
+    """
+    return bool(dist.is_available() and rpc.is_available() and autograd.is_available())
+
+
+__all__ += ["TensorDimensionPartitioner", "is_available"]

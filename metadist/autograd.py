@@ -597,3 +597,23 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     require_rpc("metadist.autograd.get_gradients")
     check_context(context_id, "metadist.autograd.get_gradients")
     return {t: g.clone() for t, g in _dist_get_gradients(context_id).items()}
+
+
+def is_available() -> bool:
+    """Whether torch was built with distributed autograd (``torchopt.distributed.autograd``'s name).
+
+    Returns:
+        ``torch.distributed.autograd.is_available()``.
+
+    Example:
+        >>> is_available()
+        True
+    """
+    return bool(dist_autograd.is_available())
+
+
+# torch's context type, under the name torchopt.distributed.autograd re-exports; not in __all__,
+# since it is torch's class, documented there.
+DistAutogradContext = dist_autograd.DistAutogradContext  # type: ignore[attr-defined]
+
+__all__ += ["is_available"]

@@ -1,4 +1,10 @@
-"""The entry point: start RPC from the torchrun environment, run the job, shut down cleanly."""
+"""The entry point: start RPC from the launcher's environment, run the job, shut down cleanly.
+
+Launchers: torchrun (or a manual launch with its variables), ``srun`` (SLURM), ``mpirun``
+(Open MPI), or none (a world of 1); see :func:`metadist.world.read_launch_environment` for the
+precedence. This module also holds the shutdown handshake that tells a finished worker from a
+dead one, which torch's graceful shutdown cannot do.
+"""
 
 from __future__ import annotations
 
@@ -19,9 +25,16 @@ from torch.distributed.rpc import RpcBackendOptions  # type: ignore[attr-defined
 
 from metadist import network, world
 from metadist._quiet import quiet_torch_warnings
-from metadist.world import WorldInfo, default_worker_name_format
+from metadist.world import LaunchEnvironment, WorldInfo, default_worker_name_format
 
-__all__ = ["WorkerNameFormat", "auto_init_rpc", "default_worker_name_format"]
+__all__ = [
+    "SLURM_PORT_BASE",
+    "WorkerNameFormat",
+    "auto_init_rpc",
+    "default_worker_name_format",
+    "expand_hostlist",
+    "master_address",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -47,19 +60,24 @@ def auto_init_rpc(
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate the entry function of a job so that it runs inside an RPC world.
 
-    On every call the decorated function: reads the torchrun environment (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) —
-    with none of it, as under plain ``python script.py``, the job is a world of 1 —, starts RPC,
-    waits for every worker, runs ``worker_init_fn()``, waits again, runs the function, and shuts
-    RPC down gracefully in ``finally``: workers whose function returned keep serving requests
-    until every worker is done. Every rank runs the function; use :func:`metadist.rank_zero_only`
-    for the driver's part. Errors are recorded for torchelastic so that ``torchrun`` reports them.
+    On every call the decorated function reads the launcher's environment (torchrun's
+    ``RANK``, ``WORLD_SIZE``, ... with ``MASTER_ADDR`` / ``MASTER_PORT``; else ``mpirun``'s
+    ``OMPI_COMM_WORLD_*``; else ``srun``'s ``SLURM_*``; with none of them, as under plain
+    ``python script.py``, the job is a world of 1), starts RPC, waits for every worker, runs
+    ``worker_init_fn()``, waits again, runs the function, and shuts RPC down gracefully in
+    ``finally``: workers whose function returned keep serving requests until every worker is
+    done. Every rank runs the function; use :func:`metadist.rank_zero_only` for the driver's
+    part. Errors are recorded for torchelastic so that ``torchrun`` reports them. Where RPC is
+    already running (a nested decorated call, or ``rpc.init_rpc`` called by the program), the
+    function just runs in that world.
 
-    Single-node jobs listen on loopback only: no torchrun, a loopback ``MASTER_ADDR``, or
-    ``LOCAL_WORLD_SIZE == WORLD_SIZE`` (as torchrun sets it on one node), whatever
-    ``MASTER_ADDR`` resolves to. Otherwise RPC listens on the interface that routes to
-    ``MASTER_ADDR``. ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` you set always win; each
-    worker logs once the interface and address when they are not loopback.
+    Single-node jobs listen on loopback only: no launcher, a loopback ``MASTER_ADDR``, or every
+    worker on this node (``LOCAL_WORLD_SIZE == WORLD_SIZE`` as torchrun sets it on one node, or
+    the same from ``srun`` / ``mpirun``), whatever ``MASTER_ADDR`` resolves to. Otherwise RPC
+    listens on the interface that routes to the master (see
+    :func:`metadist.launch.master_address`). ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` you
+    set always win; each worker logs once the interface and address when they are not
+    loopback.
 
     Args:
         worker_init_fn: Called on every worker after RPC starts and before the function (seed,
@@ -108,7 +126,9 @@ def auto_init_rpc(
 
         @functools.wraps(func)
         def entry(*args: P.args, **kwargs: P.kwargs) -> R:
-            if world._RUNTIME is not None:  # already inside a world: just run
+            # Already inside a world (a nested decorated call, or RPC the program started with
+            # rpc.init_rpc): just run.
+            if world.in_rpc_world():
                 return func(*args, **kwargs)
             return _run_in_world(
                 functools.partial(func, *args, **kwargs),
@@ -158,27 +178,180 @@ def _limit_malloc_arenas() -> None:
     mallopt(_M_ARENA_MAX, arenas)
 
 
-def _env_required(name: str) -> str:
-    value = os.environ.get(name)
-    if not value:
-        raise ValueError(
-            f"environment variable {name} is not set, but WORLD_SIZE is: launch with torchrun, "
-            f"or set MASTER_ADDR and MASTER_PORT with RANK and WORLD_SIZE"
+# --------------------------------------------------------------------------------------------------
+# Where the workers meet: rank 0's address and port, per launcher
+
+#: ``srun`` jobs without ``MASTER_PORT`` rendezvous on port ``SLURM_PORT_BASE + SLURM_JOB_ID %
+#: 15000`` (15000-29999: below Linux's ephemeral range, so no outgoing connection holds it, and
+#: every task of a job computes the same port without talking to the others).
+SLURM_PORT_BASE = 15000
+_SLURM_PORT_SPAN = 15000
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at the commas that are outside brackets."""
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
+    for char in text:
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError("']' without '['")
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth != 0:
+        raise ValueError("'[' without ']'")
+    parts.append("".join(current))
+    return parts
+
+
+def _bracket_items(group: str) -> list[str]:
+    items = []
+    for piece in group.split(","):
+        low, dash, high = piece.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"[{group}] holds {piece!r}, not a number or a range like 01-04")
+        if not dash:
+            items.append(low)
+            continue
+        if int(high) < int(low):
+            raise ValueError(f"the range {piece!r} in [{group}] runs backwards")
+        # SLURM keeps the zero padding of the lower bound: 08-10 is 08, 09, 10.
+        items += [f"{number:0{len(low)}d}" for number in range(int(low), int(high) + 1)]
+    return items
+
+
+def _expand_host(pattern: str) -> list[str]:
+    start = pattern.find("[")
+    if start < 0:
+        return [pattern]
+    end = pattern.index("]", start)
+    tails = _expand_host(pattern[end + 1 :])
+    return [
+        f"{pattern[:start]}{item}{tail}"
+        for item in _bracket_items(pattern[start + 1 : end])
+        for tail in tails
+    ]
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand SLURM's compressed host list, e.g. ``node[01-04,07]``, in order.
+
+    Ranges keep the zero padding of their lower bound; several bracket groups in one name
+    expand to their product (``r[1-2]n[1-2]`` is ``r1n1, r1n2, r2n1, r2n2``).
+
+    Args:
+        hostlist: The list, as in ``SLURM_JOB_NODELIST``.
+
+    Returns:
+        The host names.
+
+    Raises:
+        ValueError: The list is empty or malformed (the message quotes it).
+
+    Example:
+        >>> expand_hostlist("node[01-03,07],login")
+        ['node01', 'node02', 'node03', 'node07', 'login']
+    """
+    try:
+        hosts = [host for part in _split_top_level(hostlist.strip()) for host in _expand_host(part)]
+        if not hosts or any(not host or "[" in host or "]" in host for host in hosts):
+            raise ValueError("an empty or unbalanced host name")
+    except ValueError as error:
+        raise ValueError(f"cannot read the SLURM host list {hostlist!r}: {error}") from None
+    return hosts
+
+
+def _port(name: str, raw: str) -> int:
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise ValueError(f"environment variable {name}={raw!r} must be a TCP port in [1, 65535]")
+    return int(raw)
+
+
+def master_address(launcher: str) -> tuple[str, int]:
+    """Where rank 0 listens for the rendezvous: ``(address, port)``, read now.
+
+    ``MASTER_ADDR`` and ``MASTER_PORT``, when set, always win. Otherwise torchrun and
+    ``mpirun`` need them (Open MPI does not say which host holds rank 0), and ``srun`` uses the
+    first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``), where SLURM places
+    task 0, and the port ``SLURM_PORT_BASE + SLURM_JOB_ID % 15000``.
+
+    Args:
+        launcher: ``"torchrun"``, ``"srun"`` or ``"mpirun"``, as in
+            :class:`metadist.world.LaunchEnvironment`.
+
+    Returns:
+        The master's host name or address, and its port.
+
+    Raises:
+        ValueError: A needed variable is missing or malformed (the message names it).
+    """
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if launcher == "srun":
+        if not addr:
+            nodes_var = next(
+                (v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if os.environ.get(v)),
+                None,
+            )
+            if nodes_var is None:
+                raise ValueError(
+                    "srun set neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST; set MASTER_ADDR "
+                    "to the host of task 0"
+                )
+            addr = expand_hostlist(os.environ[nodes_var])[0]
+        if not port:
+            job = os.environ.get("SLURM_JOB_ID", "")
+            if not job.isdigit():
+                raise ValueError(
+                    f"environment variable SLURM_JOB_ID={job!r} is not a job number, so the "
+                    f"rendezvous port cannot be derived from it; set MASTER_PORT"
+                )
+            return addr, SLURM_PORT_BASE + int(job) % _SLURM_PORT_SPAN
+        return addr, _port("MASTER_PORT", port)
+    missing = [name for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not value]
+    if missing:
+        how = (
+            "for every process, e.g. `mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500"
+            " ...` (Open MPI does not say which host holds rank 0)"
+            if launcher == "mpirun"
+            else "(torchrun sets them; a manual launch sets them with RANK and WORLD_SIZE)"
         )
-    return value
+        raise ValueError(
+            f"environment variable{'s' if len(missing) > 1 else ''} {' and '.join(missing)} "
+            f"{'are' if len(missing) > 1 else 'is'} not set, but {launcher} launched this "
+            f"process: set MASTER_ADDR and MASTER_PORT {how}"
+        )
+    return str(addr), _port("MASTER_PORT", str(port))
 
 
-def _plan(info: WorldInfo, timeout: float) -> tuple[network.Binding, str]:
+def _single_node(launch: LaunchEnvironment) -> bool:
+    info = launch.info
+    if launch.launcher == "torchrun":
+        # Only torchrun's own LOCAL_WORLD_SIZE says so: a manual launch that sets RANK and
+        # WORLD_SIZE alone may span nodes.
+        return "LOCAL_WORLD_SIZE" in os.environ and info.local_world_size == info.world_size
+    return info.local_world_size == info.world_size
+
+
+def _listener_and_rendezvous(
+    launch: LaunchEnvironment, timeout: float
+) -> tuple[network.Binding, str]:
     """Choose the interface to listen on and the rendezvous URL for this launch."""
-    if "WORLD_SIZE" not in os.environ:
-        binding = network.choose_binding("127.0.0.1")
-        return binding, f"{network.LOCAL_SCHEME}://"
-    master_addr = _env_required("MASTER_ADDR")
-    master_port = _env_required("MASTER_PORT")
-    if "LOCAL_WORLD_SIZE" in os.environ and info.local_world_size == info.world_size:
-        # Every worker is on this node (torchrun sets LOCAL_WORLD_SIZE), so loopback reaches
-        # them all, whatever MASTER_ADDR is: `--standalone` sets it to the host's FQDN, which
-        # often resolves to a LAN address, and RPC must not listen there.
+    info = launch.info
+    if launch.launcher == "python":
+        return network.choose_binding("127.0.0.1"), f"{network.LOCAL_SCHEME}://"
+    master_addr, master_port = master_address(launch.launcher)
+    if _single_node(launch):
+        # Every worker is on this node, so loopback reaches them all, whatever MASTER_ADDR is:
+        # `torchrun --standalone` sets it to the host's FQDN, which often resolves to a LAN
+        # address, and SLURM names the node; RPC must not listen there.
         binding = network.choose_binding("127.0.0.1")
     else:
         try:
@@ -195,14 +368,17 @@ def _plan(info: WorldInfo, timeout: float) -> tuple[network.Binding, str]:
     if binding.loopback and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # torch's rendezvous adds rank and world_size to the query itself.
         return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"
-    return binding, "env://"
+    if launch.launcher == "torchrun":
+        return binding, "env://"
+    host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    return binding, f"tcp://{host}:{master_port}"
 
 
 def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) -> None:
     """Say once when RPC will listen beyond loopback, naming the interface really used."""
     # A user-set TP_SOCKET_IFNAME wins over metadist's choice (see network.socket_ifname_env).
     ifname = os.environ.get("TP_SOCKET_IFNAME") or binding.ifname
-    address = binding.address if ifname == binding.ifname else network._ipv4_of(ifname)
+    address = binding.address if ifname == binding.ifname else network.ipv4_of(ifname)
     try:
         if address is not None and ipaddress.ip_address(address).is_loopback:
             return
@@ -232,7 +408,8 @@ def _run_in_world(
     options: RpcBackendOptions | None,
     shutdown_timeout: float,
 ) -> R:
-    info = world._world_info_from_env()
+    launch = world.read_launch_environment()
+    info = launch.info
     name = worker_name_format(
         world_rank=info.world_rank,
         world_size=info.world_size,
@@ -247,7 +424,7 @@ def _run_in_world(
         # The TCP transport ("uv", over loopback on one node) waits in epoll instead.
         options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])
     timeout = float(options.rpc_timeout)
-    binding, url = _plan(info, timeout)
+    binding, url = _listener_and_rendezvous(launch, timeout)
     if options.init_method == "env://":
         options.init_method = url
     network.install_rendezvous_handlers()
@@ -261,7 +438,7 @@ def _run_in_world(
             rpc_backend_options=options,
         )
     try:
-        world._activate(info, name, timeout)
+        world.join_world(info, name, timeout)
         if worker_init_fn is not None:
             worker_init_fn()
         world.barrier()
@@ -282,6 +459,56 @@ def _run_in_world(
         _abort()
         raise
     return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Shutdown liveness: tell a worker that finished its job from one that died.
+
+# Every worker announces at rank 0 that its job is done, under this rendezvous key.
+_DONE = ("<done>",)
+
+
+def _ping() -> bool:
+    return True
+
+
+def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
+    """Wait until every worker finished its job; return the names of workers found dead.
+
+    torch's graceful shutdown waits forever for a worker that died. Here each worker announces
+    that it is done to rank 0 and, while waiting for the others, pings the workers that have not
+    finished: a peer whose connection is gone (killed, crashed) ends the wait. A peer that is
+    alive but busy (a ping timing out) is waited for, since rank 0 may train for hours.
+    """
+    future = world.arrive_async(_DONE, info.world_rank, expected=info.world_size, timeout=0)
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    while not done.wait(poll):
+        # Rank 0 holds the rendezvous, so it knows who is done and need not ping them.
+        finished = world.arrived_members(_DONE) if info.world_rank == 0 else frozenset()
+        waiting_for = [
+            rank
+            for rank in range(info.world_size)
+            if rank != info.world_rank and rank not in finished
+        ]
+        dead = _unreachable(waiting_for, timeout=max(poll, 5.0))
+        if dead:
+            return dead
+    future.wait()
+    return []
+
+
+def _unreachable(ranks: list[int], timeout: float) -> list[str]:
+    """Names of the workers among ``ranks`` whose connection is gone (a busy one is not)."""
+    names = world.get_worker_names()
+    gone = []
+    for rank in ranks:
+        try:
+            rpc.rpc_sync(rank, _ping, timeout=timeout)
+        except RuntimeError as error:
+            if "timeout" not in str(error).lower():
+                gone.append(names[rank])
+    return gone
 
 
 # The shutdown thread started last: torch's shutdown must never run twice at once.
@@ -319,7 +546,7 @@ def _abort() -> None:
     peers still waiting on this worker see it as dead and stop too. A shutdown already running
     (Ctrl-C during the graceful one) is given the time instead of starting a second one.
     """
-    world._deactivate()
+    world.leave_world()
     deadline = time.monotonic() + ABORT_GRACE
     running = [t for t in _SHUTDOWN_THREAD if t.is_alive()]
     if not running:
@@ -337,16 +564,17 @@ def _abort() -> None:
 
 def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
     problem = None
+    info = world.get_world_info()
     try:
-        dead = world._finish()
+        dead = _finish(info)
         if dead:
             problem = f"workers {dead} died before the job finished"
             # The graceful all-gather cannot complete without them. Tear down locally.
             with contextlib.suppress(Exception):
                 rpc.shutdown(graceful=False)
         elif not _bounded_shutdown(grace, graceful=True):
-            others = [rank for rank in range(world.get_world_size()) if rank != world.get_rank()]
-            gone = world._unreachable(others, timeout=5.0)
+            others = [rank for rank in range(info.world_size) if rank != info.world_rank]
+            gone = _unreachable(others, timeout=5.0)
             problem = (
                 f"workers {gone} died after finishing their job; shutdown cannot complete"
                 if gone
@@ -359,7 +587,7 @@ def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
         with contextlib.suppress(Exception):
             rpc.shutdown(graceful=False)
     finally:
-        world._deactivate()
+        world.leave_world()
     if problem is not None:
         message = f"RPC shutdown on worker {name!r}: {problem}"
         if raise_errors:

@@ -30,8 +30,10 @@ __all__ = [
     "LOOPBACK_SCHEME",
     "Binding",
     "choose_binding",
+    "default_route_interface",
     "free_loopback_port",
     "install_rendezvous_handlers",
+    "ipv4_of",
     "socket_ifname_env",
     "user_binding",
 ]
@@ -68,7 +70,19 @@ def _resolve(host: str) -> str:
     return str(infos[0][4][0])
 
 
-def _ipv4_of(ifname: str) -> str | None:
+def ipv4_of(ifname: str) -> str | None:
+    """The IPv4 address of interface ``ifname``, or ``None`` if it has none (or does not exist).
+
+    Args:
+        ifname: Interface name.
+
+    Returns:
+        The address.
+
+    Example:
+        >>> ipv4_of("lo")
+        '127.0.0.1'
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             packed = fcntl.ioctl(
@@ -93,7 +107,7 @@ def _interface_with_address(address: str) -> str | None:
     if ipaddress.ip_address(address).version == 6:
         return _ipv6_addresses().get(address)
     for _, ifname in socket.if_nameindex():
-        if _ipv4_of(ifname) == address:
+        if ipv4_of(ifname) == address:
             return ifname
     return None
 
@@ -106,8 +120,12 @@ def _route_source(address: str) -> str:
         return str(sock.getsockname()[0])
 
 
-def _default_route_interface() -> str | None:
-    """The interface of the IPv4 default route (``/proc/net/route``), if there is one."""
+def default_route_interface() -> str | None:
+    """The interface of the IPv4 default route (``/proc/net/route``), if there is one.
+
+    Returns:
+        The interface name, or ``None``.
+    """
     try:
         with open("/proc/net/route") as table:
             rows = [line.split() for line in table.readlines()[1:]]
@@ -143,8 +161,8 @@ def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
     resolved = _resolve(master_addr)
     loopback = ipaddress.ip_address(resolved).is_loopback
     if loopback and multi_node:
-        ifname = _default_route_interface()
-        address = _ipv4_of(ifname) if ifname is not None else None
+        ifname = default_route_interface()
+        address = ipv4_of(ifname) if ifname is not None else None
         if ifname is None or address is None:
             raise ValueError(
                 f"MASTER_ADDR={master_addr!r} resolves to the loopback address {resolved} on "
@@ -179,7 +197,7 @@ def user_binding() -> Binding | None:
     tp = os.environ.get("TP_SOCKET_IFNAME")
     if not tp or not os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
-    address = _ipv4_of(tp)
+    address = ipv4_of(tp)
     loopback = address is not None and ipaddress.ip_address(address).is_loopback
     return Binding(ifname=tp, address=address or "unknown", loopback=loopback)
 

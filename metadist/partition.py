@@ -457,3 +457,42 @@ def batch_partitioner(*args: Any, **kwargs: Any) -> Partitions:
         [5]
     """
     return _BATCH(*args, **kwargs)
+
+
+class TensorDimensionPartitioner(DimPartitioner):
+    """:class:`DimPartitioner` under ``torchopt.distributed``'s name and constructor defaults.
+
+    As in TorchOpt, ``dim`` is required and ``keepdim`` defaults to ``False``, so a
+    non-exclusive partitioner must pass ``keepdim=True``; the split itself is metadist's
+    (balanced chunks, picklable).
+
+    Args:
+        dim: The dimension to split every tensor leaf along.
+        exclusive: One item per partition instead of one chunk per worker.
+        keepdim: Keep the split dimension; ``False`` needs ``exclusive=True``.
+        workers: Worker ranks or names to use, in order (default: all workers).
+
+    Raises:
+        ValueError: ``keepdim=False`` without ``exclusive=True`` (TorchOpt raises it too).
+
+    Example:
+        >>> import torch
+        >>> part = TensorDimensionPartitioner(0, exclusive=True)  # keepdim=False
+        >>> [args[0].shape for _, args, _ in part.split((torch.zeros(2, 3),), {}, worker_ids=[0])]
+        [torch.Size([3]), torch.Size([3])]
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        exclusive: bool = False,
+        keepdim: bool = False,
+        workers: Sequence[int | str] | None = None,
+    ) -> None:
+        super().__init__(dim, exclusive=exclusive, keepdim=keepdim, workers=workers)
+
+
+__all__ += ["TensorDimensionPartitioner"]

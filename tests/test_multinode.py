@@ -21,6 +21,9 @@ from _dist import REPO
 SCRIPT = REPO / "tests" / "scripts" / "multinode_worker.py"
 MASTER, PEER = "198.51.100.1", "198.51.100.2"
 MASTER_NAME = "mdmaster"
+# srun's variables name the nodes in SLURM's compressed form; the first is the master.
+SLURM_NODELIST, SLURM_MASTER_NODE = "mdnode[01-02]", "mdnode01"
+PORT = 29511
 
 
 def _ip(*args: str) -> None:
@@ -59,7 +62,9 @@ def two_hosts() -> Iterator[tuple[str, str]]:
             etc = Path("/etc/netns") / host
             try:
                 etc.mkdir(parents=True, exist_ok=True)
-                (etc / "hosts").write_text(f"127.0.0.1 localhost\n{master} {MASTER_NAME}\n")
+                (etc / "hosts").write_text(
+                    f"127.0.0.1 localhost\n{master} {MASTER_NAME} {SLURM_MASTER_NODE}\n"
+                )
             except OSError as error:
                 pytest.skip(f"cannot give the namespaces their own /etc/hosts: {error}")
         # `ip netns exec` mounts sysfs and the hosts file: rootless runners may refuse.
@@ -73,29 +78,54 @@ def two_hosts() -> Iterator[tuple[str, str]]:
             shutil.rmtree(Path("/etc/netns") / host, ignore_errors=True)
 
 
+def _torchrun_env(master_addr: str, rank: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(PORT),
+    }
+
+
+def _srun_env(rank: int) -> dict[str, str]:
+    # No MASTER_*: the master is the first node of the list, the port comes from the job id.
+    return {
+        "SLURM_PROCID": str(rank),
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": str(rank),
+        "SLURM_NNODES": "2",
+        "SLURM_TASKS_PER_NODE": "1(x2)",
+        "SLURM_JOB_NODELIST": SLURM_NODELIST,
+        "SLURM_JOB_ID": str(3 * 15000 + PORT - 15000),
+    }
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "master_addr",
-    [MASTER, MASTER_NAME],
-    ids=["address", "hostname-that-is-loopback-on-the-master"],
+    "launch",
+    ["address", "hostname", "srun"],
+    ids=["address", "hostname-that-is-loopback-on-the-master", "srun-variables-only"],
 )
 def test_rpc_round_trip_across_namespaces_picks_routing_interface(
-    two_hosts: tuple[str, str], master_addr: str
+    two_hosts: tuple[str, str], launch: str
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
-    env.update(
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR=master_addr,
-        MASTER_PORT="29511",
-        PYTHONPATH=str(REPO / "tests"),
-        PYTHONUNBUFFERED="1",
-    )
+    keep = ("_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if not k.endswith(keep)}
+    env = {k: v for k, v in env.items() if not k.startswith(("SLURM_", "OMPI_", "LOCAL_"))}
+    env.update(PYTHONPATH=f"{REPO / 'tests'}{os.pathsep}{REPO}", PYTHONUNBUFFERED="1")
+
+    def launcher_env(rank: int) -> dict[str, str]:
+        if launch == "srun":
+            return _srun_env(rank)
+        return _torchrun_env(MASTER if launch == "address" else MASTER_NAME, rank)
+
     processes = [
         subprocess.Popen(
             ["ip", "netns", "exec", host, sys.executable, str(SCRIPT)],
-            env={**env, "RANK": str(rank)},
+            env={**env, **launcher_env(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -27,7 +27,9 @@ TORCHRUN_ENV = (
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in TORCHRUN_ENV:
+    # Tests run inside a SLURM job or under mpirun must not see their launcher either.
+    launchers = [name for name in os.environ if name.startswith(("SLURM_", "OMPI_COMM_WORLD_"))]
+    for name in (*TORCHRUN_ENV, *launchers):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -93,9 +95,13 @@ def test_default_worker_names_sort_like_ranks() -> None:
     assert default_worker_name_format(
         world_rank=0, world_size=1, local_rank=0, local_world_size=1
     ) == ("worker0")
+    # TorchOpt's width: that of the world size.
     assert default_worker_name_format(
         world_rank=9, world_size=10, local_rank=0, local_world_size=1
-    ) == ("worker9")
+    ) == ("worker09")
+    assert default_worker_name_format(
+        world_rank=8, world_size=9, local_rank=0, local_world_size=1
+    ) == ("worker8")
 
 
 def test_worker_id_without_rpc(clean_env: pytest.MonkeyPatch) -> None:
@@ -149,12 +155,22 @@ def test_rank_selectors_in_world_of_one(clean_env: pytest.MonkeyPatch) -> None:
     assert not0() is None
     assert calls == ["zero"]
 
-    @metadist.on_rank(0, 3)
-    def needs_four() -> None:
-        pass
+    # A rank beyond the world never matches: the script of a larger world runs alone.
+    @metadist.on_rank(1)
+    def on1() -> str:
+        return "on1"
 
-    with pytest.raises(ValueError, match=r"on_rank: ranks \[3\] do not exist in a world of size 1"):
-        needs_four()
+    @metadist.not_on_rank(1)
+    def not1() -> str:
+        return "not1"
+
+    @metadist.on_rank(0, 3)
+    def on03() -> str:
+        return "on03"
+
+    assert on1() is None
+    assert not1() == "not1"
+    assert on03() == "on03"
     # The rank is read at call time, not at decoration.
     clean_env.setenv("RANK", "1")
     clean_env.setenv("WORLD_SIZE", "2")
@@ -178,28 +194,29 @@ def test_rank_selectors_reject_bad_ranks(
         factory(*ranks)  # type: ignore[operator]
 
 
-def test_listening_interface_plan(clean_env: pytest.MonkeyPatch) -> None:
+def test_listening_interface_and_rendezvous(clean_env: pytest.MonkeyPatch) -> None:
     # Which interface a launch listens on, decided before RPC starts (no RPC needed).
-    from metadist.launch import _plan
+    from metadist.launch import _listener_and_rendezvous
+    from metadist.world import read_launch_environment
 
     for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         clean_env.delenv(name, raising=False)
     multi = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     for name, value in {**multi, "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "1"}.items():
         clean_env.setenv(name, value)
-    info = metadist.get_world_info()
+    launch = read_launch_environment()
     with pytest.raises(ValueError, match=r"MASTER_ADDR='no-such-host.invalid' does not resolve"):
-        _plan(info, 60.0)
+        _listener_and_rendezvous(launch, 60.0)
     # User-set interfaces always win: metadist neither second-guesses nor fails on them.
     clean_env.setenv("TP_SOCKET_IFNAME", "lo")
     clean_env.setenv("GLOO_SOCKET_IFNAME", "lo")
-    binding, _ = _plan(info, 60.0)
+    binding, _ = _listener_and_rendezvous(launch, 60.0)
     assert (binding.ifname, binding.address) == ("lo", "127.0.0.1")
     # One node, whatever MASTER_ADDR names: loopback, served by metadist's loopback store.
     clean_env.delenv("TP_SOCKET_IFNAME")
     clean_env.delenv("GLOO_SOCKET_IFNAME")
     clean_env.setenv("LOCAL_WORLD_SIZE", "4")
-    binding, url = _plan(metadist.get_world_info(), 60.0)
+    binding, url = _listener_and_rendezvous(read_launch_environment(), 60.0)
     assert binding.loopback
     assert binding.ifname == "lo"
     assert url.startswith("metadist-loopback://127.0.0.1:1?")
@@ -386,15 +403,26 @@ def test_readme_quickstart_under_torchrun(tmp_path: os.PathLike[str]) -> None:
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("mean loss")]
     assert len(lines) == 1, result.stdout  # printed by rank 0 only
+    assert lines[0].endswith(" on 2 workers"), lines
     assert "Warning" not in result.stderr, result.stderr
+    # Alone, under plain python: one worker, in the singular.
+    alone = run_command([sys.executable, script], timeout=100)
+    assert alone.returncode == 0, alone.stderr
+    assert re.search(r"^mean loss \S+ on 1 worker$", alone.stdout, re.M), alone.stdout
+
+
+def test_license_is_an_spdx_expression() -> None:
+    # A table ({text = ...}) makes setuptools print deprecation boxes on every install.
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^license = "Apache-2\.0"$', pyproject, re.M), "license must be SPDX"
 
 
 @pytest.mark.timeout(120)
 def test_single_node_torchrun_listens_on_loopback_whatever_master_addr_is() -> None:
     # torchrun --standalone sets MASTER_ADDR to the host's FQDN, which on many machines resolves
     # to a LAN address; a single-node job must still keep RPC off the network.
-    ifname = network._default_route_interface()
-    lan = network._ipv4_of(ifname) if ifname is not None else None
+    ifname = network.default_route_interface()
+    lan = network.ipv4_of(ifname) if ifname is not None else None
     if lan is None:
         pytest.skip("this machine has no non-loopback IPv4 address to use as MASTER_ADDR")
     command = [
@@ -407,7 +435,9 @@ def test_single_node_torchrun_listens_on_loopback_whatever_master_addr_is() -> N
         f"--master_port={network.free_loopback_port()}",
         str(REPO / "tests" / "scripts" / "multinode_worker.py"),
     ]
-    result = run_command(command, timeout=100, env={"PYTHONPATH": str(REPO / "tests")})
+    result = run_command(
+        command, timeout=100, env={"PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
+    )
     assert result.returncode == 0, result.stderr
     assert "ROUNDTRIP OK peer=worker1" in result.stdout, result.stdout
     peer = result.stdout.split("peer_listens=")[1].splitlines()[0]
