@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: install test soak lint format docs maml bench bench-deps clean
+.PHONY: install test soak scale lint format docs maml bench bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +16,14 @@ install: $(PY)
 	$(PY) -m pip install -q -e ".[dev,docs,examples]"
 
 test:
-	$(PY) -m pytest -m "not soak" tests
+	$(PY) -m pytest -m "not soak and not scale" tests
 
 soak:
-	$(PY) -m pytest -m soak tests
+	$(PY) -m pytest -m soak -s tests
+
+# A world of 32 processes on this machine (about 2 minutes here).
+scale:
+	$(PY) -m pytest -m scale -s tests/test_scale.py
 
 lint:
 	$(VENV)/bin/ruff check metadist tests examples benchmarks docs

@@ -614,7 +614,7 @@ class _Call:
 
     def collect(self) -> Any:
         """Wait for *every* partition (none is left pending), then reduce or raise."""
-        world._wait_done([f for f in self.futures if f is not None])
+        world.wait_all([f for f in self.futures if f is not None])
         if self.bar is not None:
             self.bar.close()
         outcomes = [self._outcome(i) for i in range(len(self.workers))]
@@ -741,6 +741,9 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
                 memo=memo,
                 attached=attached,
             )
+    for i, (_, p_args, p_kwargs) in enumerate(parts):
+        if i not in call.encoded:  # runs in-process: the same checks as if it were sent
+            transport.check_sendable(p_args, p_kwargs)
     if call.dynamic:
         call.queues[""] = collections.deque(range(len(parts)))
         call.drive([w for w in workers if w != own], own in workers)

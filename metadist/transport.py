@@ -57,6 +57,7 @@ __all__ = [
     "encode",
     "invalidate_module_cache",
     "mark_structure_confirmed",
+    "check_sendable",
     "resolve_compression",
     "wire_bytes",
 ]
@@ -706,6 +707,30 @@ def encode(
         return args, kwargs, False, ()
     new_args, new_kwargs = tree_unflatten(leaves, spec)
     return new_args, new_kwargs, True, tuple(new_structures)
+
+
+def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise the error :func:`encode` would raise, for a partition that runs in-process.
+
+    A partition the caller runs itself is never encoded, but the same program on more workers
+    would send it: failing here too keeps ``python script.py`` and ``torchrun`` alike. Module
+    structures are checked once and cached, as for sending.
+
+    Args:
+        args: Positional arguments of the partition.
+        kwargs: Keyword arguments of the partition.
+
+    Raises:
+        TypeError: As :func:`encode`.
+    """
+    if not _needs_encoding(args, None, True) and not _needs_encoding(kwargs, None, True):
+        return
+    leaves, _ = tree_flatten((args, kwargs))
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, nn.Module):
+            _plan_for(leaf, (args, kwargs, i))
+        elif not isinstance(leaf, torch.Tensor) and not _is_plain(leaf):
+            _refuse_hidden_grad(leaf, (args, kwargs, i))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -188,12 +188,6 @@ WORLD_ROWS = [
     Row("on_rank none", lambda fx: metadist.on_rank(), ValueError, r"on_rank.*rank"),
     Row("on_rank negative", lambda fx: metadist.on_rank(-1), ValueError, r"ranks.*-1"),
     Row(
-        "on_rank too big",
-        lambda fx: metadist.on_rank(5)(print)(),
-        ValueError,
-        r"ranks \[5\] do not exist",
-    ),
-    Row(
         "auto_init_rpc init",
         lambda fx: metadist.auto_init_rpc(worker_init_fn=3),  # type: ignore[arg-type]
         TypeError,
