@@ -472,28 +472,56 @@ def _ping() -> bool:
     return True
 
 
+# Set on a worker when rank 0 ends the shutdown handshake without the workers it found dead.
+_RELEASED = threading.Event()
+_RELEASED_DEAD: list[str] = []
+
+
+def _release(dead: list[str]) -> None:
+    _RELEASED_DEAD[:] = dead
+    _RELEASED.set()
+
+
 def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
-    """Wait until every worker finished its job; return the names of workers found dead.
+    """Wait until every live worker finished its job; return the names of workers found dead.
 
     torch's graceful shutdown waits forever for a worker that died. Here each worker announces
-    that it is done to rank 0 and, while waiting for the others, pings the workers that have not
-    finished: a peer whose connection is gone (killed, crashed) ends the wait. A peer that is
-    alive but busy (a ping timing out) is waited for, since rank 0 may train for hours.
+    that it is done to rank 0, which holds the handshake and pings the workers that have not
+    finished: a peer whose connection is gone (killed, crashed) is dead; one that is alive but
+    busy (a ping timing out) is waited for, since it may train for hours. A dead peer does not
+    end the wait of the others: the survivors keep serving rank 0's calls until every live
+    worker is done, and then rank 0 releases them, naming the dead. The other workers ping
+    rank 0 alone, so the pings grow with the world, not with its square.
     """
+    _RELEASED.clear()
     future = world.arrive_async(_DONE, info.world_rank, expected=info.world_size, timeout=0)
     done = threading.Event()
     future.add_done_callback(lambda _: done.set())
+    dead: set[str] = set()
+    names = world.get_worker_names()
     while not done.wait(poll):
-        # Rank 0 holds the rendezvous, so it knows who is done and need not ping them.
-        finished = world.arrived_members(_DONE) if info.world_rank == 0 else frozenset()
+        if info.world_rank != 0:
+            if _RELEASED.is_set():
+                return list(_RELEASED_DEAD)
+            gone = _unreachable([0], timeout=max(poll, 5.0))
+            if gone and not _RELEASED.is_set():
+                return gone
+            continue
+        finished = world.arrived_members(_DONE)
         waiting_for = [
             rank
             for rank in range(info.world_size)
-            if rank != info.world_rank and rank not in finished
+            if rank != 0 and rank not in finished and names[rank] not in dead
         ]
-        dead = _unreachable(waiting_for, timeout=max(poll, 5.0))
-        if dead:
-            return dead
+        dead.update(_unreachable(waiting_for, timeout=max(poll, 5.0)))
+        live_waiting = [rank for rank in waiting_for if names[rank] not in dead]
+        if dead and not live_waiting:
+            survivors = [r for r in finished if r != 0 and names[r] not in dead]
+            released = [rpc.rpc_async(r, _release, args=(sorted(dead),)) for r in survivors]
+            for notice in released:
+                with contextlib.suppress(Exception):
+                    notice.wait()
+            return sorted(dead)
     future.wait()
     return []
 

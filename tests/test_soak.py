@@ -235,13 +235,19 @@ def test_soak_with_a_killed_worker(tmp_path: Path) -> None:
     )
     assert out.exists(), logs
     figures = json.loads(out.read_text())
-    print(f"soak with a fault: {figures}")
-    assert processes[3].returncode == -signal.SIGKILL
     latencies = figures["failure_latency_s"]
-    assert latencies, figures
-    assert max(latencies) < 5.0, latencies
-    assert figures["calls_per_s_after"] > 0.25 * figures["calls_per_s_before"], figures
     growth = [
         (b - a) / a for a, b in zip(figures["rss_kib_start"], figures["rss_kib_end"], strict=True)
     ]
+    print(
+        f"soak with a fault: {figures['rounds']} rounds; calls/s "
+        f"{figures['calls_per_s_before']:.0f} before the kill, {figures['calls_per_s_after']:.0f} "
+        f"after; {len(latencies)} calls to the dead worker failed in "
+        f"{1e3 * min(latencies, default=0):.2f}-{1e3 * max(latencies, default=0):.2f} ms; "
+        f"survivors' RSS growth {[f'{g:+.2%}' for g in growth]}"
+    )
+    assert processes[3].returncode == -signal.SIGKILL
+    assert latencies, figures
+    assert max(latencies) < 5.0, latencies
+    assert figures["calls_per_s_after"] > 0.25 * figures["calls_per_s_before"], figures
     assert all(g < MAX_RSS_GROWTH for g in growth), (growth, figures)
