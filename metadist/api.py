@@ -823,7 +823,15 @@ def remote_async_call(
         [tensor([0., 1., 4., 9.])]
     """
     return _start(
-        func, args, kwargs, partitioner, reducer, timeout, compression, sync=False
+        func,
+        args,
+        kwargs,
+        partitioner,
+        reducer,
+        timeout,
+        compression,
+        sync=False,
+        progress=progress,
     ).future()
 
 
