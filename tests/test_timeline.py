@@ -109,3 +109,52 @@ def world() -> Scenarios:
 @pytest.mark.parametrize("name", [s.__name__ for s in SCENARIOS])
 def test_timeline(world: Scenarios, name: str) -> None:
     world.check(name)
+
+
+PROGRESS_SCRIPT = """
+import torch, metadist
+def double(x):
+    return x * 2
+@metadist.auto_init_rpc()
+def main():
+    part = metadist.dim_partitioner(0, exclusive=True)
+    metadist.remote_sync_call(double, args=(torch.arange(5.0),), partitioner=part, progress=True)
+main()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_progress_bar_draws_on_a_terminal() -> None:
+    """With a terminal as standard output, the bar counts the partitions to the end."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    from _dist import REPO
+
+    leader, follower = pty.openpty()
+    # A real terminal has a size; tqdm draws nothing on one with zero rows.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with subprocess.Popen(
+        [sys.executable, "-c", PROGRESS_SCRIPT], stdout=follower, stderr=follower, env=env
+    ) as process:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                data = os.read(leader, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert process.wait(timeout=90) == 0, b"".join(chunks).decode(errors="replace")
+    os.close(leader)
+    text = b"".join(chunks).decode(errors="replace")
+    assert "double" in text, text
+    assert "5/5" in text, text
