@@ -46,6 +46,8 @@ bench-deps:
 	$(PY) -m pip install -q --target .bench-deps/torchopt "torchopt==0.7.3" optree graphviz --no-deps
 
 bench: bench-deps
+	$(PY) benchmarks/bench_overhead.py --plot docs/img/overhead-speedup.png
+	$(PY) benchmarks/bench_schedule.py --timeline runs/timeline
 	$(PY) benchmarks/bench_remote.py
 	$(PY) benchmarks/bench_optim.py
 	$(PY) benchmarks/bench_maml.py
