@@ -51,7 +51,6 @@ bench: bench-deps
 	$(PY) benchmarks/bench_remote.py
 	$(PY) benchmarks/bench_optim.py
 	$(PY) benchmarks/bench_maml.py
-	$(PY) benchmarks/bench_dist_autograd.py
 
 clean:
 	rm -rf docs/_build .pytest_cache .mypy_cache .ruff_cache
