@@ -418,6 +418,7 @@ class _Call:
         "queues",
         "records",
         "reducer",
+        "shares_gradients",
         "sizes",
         "timeline",
         "timeout",
@@ -452,6 +453,9 @@ class _Call:
         self.in_flight: dict[str, int] = {}
         self.arrivals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.bar: Any = None
+        # Whether this call's in-process partitions share parameters with remote ones in a
+        # distributed backward pass (see transport.as_received).
+        self.shares_gradients = False
         self.timeline = timeline.active()
         self.call_number = self.timeline.new_call() if self.timeline is not None else -1
         self.records: dict[int, timeline.PartitionRecord] = {}
@@ -502,6 +506,8 @@ class _Call:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
         self.workers[index] = self.own
         _, args, kwargs = self.parts[index]
+        if self.shares_gradients:
+            args, kwargs = transport.as_received(args, kwargs)
         if self.timeline is not None:
             self._record(index, self.own)
             self.records[index].start = self.records[index].sent
@@ -725,6 +731,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
         # RPC attaches these partitions to the distributed autograd context; their argument
         # graphs let a backward pass follow results sent on to further calls (see autograd).
         attached = call.context_id is not None and call.grad_mode == _GRAD
+        call.shares_gradients = attached
         memo = transport.CallMemo()
         # Encode every partition that may travel before sending anything, so that bad input
         # fails with no RPC sent.

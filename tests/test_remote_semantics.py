@@ -258,6 +258,29 @@ def remote_backward_overlaps_local_backward(world_size: int) -> None:
     assert sum(ok for ok, *_ in overlapped) >= 4, overlapped
 
 
+def two_worker_gradients_are_reproducible(world_size: int) -> None:
+    """The caller's partition and one remote one: bit-identical gradients on every repeat."""
+    torch.manual_seed(6)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
+    x = torch.randn(64, 8)
+    part = md.dim_partitioner(0, workers=[0, 1])
+    first = None
+    for _ in range(20):
+        model.zero_grad()
+        with mag.context() as ctx:
+            loss = md.remote_sync_call(
+                run_module, args=(model, x), partitioner=part, reducer=md.sum_reducer
+            )
+            mag.backward(ctx, [loss])
+        grads = [p.grad.clone() for p in model.parameters()]
+        if first is None:
+            first = grads
+        for a, b in zip(grads, first, strict=True):
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
 def chained_calls_are_differentiable(world_size: int) -> None:
     w = torch.tensor([1.0, 2.0], requires_grad=True)
     with mag.context() as ctx:
@@ -549,6 +572,7 @@ SCENARIOS = [
     own_partition_runs_in_process,
     mixed_partitions_equal_local,
     remote_backward_overlaps_local_backward,
+    two_worker_gradients_are_reproducible,
     chained_calls_are_differentiable,
     fresh_leaf_result_does_not_hang,
     one_of_several_results_is_enough,
