@@ -108,7 +108,8 @@ def test_ctrl_c_interrupts_a_remote_call_in_a_world_of_one(tmp_path: Path) -> No
     text = log.read_text()
     assert elapsed <= 10, f"still running {elapsed:.1f}s after Ctrl-C:\n{text}"
     assert "KeyboardInterrupt" in text, text
-    assert "in collect" in text, text  # interrupted inside the remote call's wait
+    # In a world of 1 the partition runs in-process: Ctrl-C lands in the function itself.
+    assert "in sleep_forever" in text, text
 
 
 @pytest.mark.timeout(120)
