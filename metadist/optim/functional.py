@@ -1,24 +1,20 @@
-# TorchScript: no zip(strict=), no `not in {...}`; signatures mirror torch.optim positionally.
-# ruff: noqa: B905, PLR1714, PLR0917
-"""Functional optimizers: one TorchScript-compatible class per algorithm.
+# TorchScript compiles these classes: no zip(strict=), no inheritance, no `not in {...}`;
+# constructor signatures mirror torch.optim positionally.
+# ruff: noqa: B905, PLR0917
+"""Functional optimizers: one TorchScript-compatible class per algorithm, all of one shape.
 
-Each class takes its parameters once, ``__init__(params, lr, ...)``, and is stepped with an
-explicit list of gradients, ``step(gradients)``, where ``None`` skips that parameter (it is not
-touched and its state is not advanced). Nothing here reads or writes ``.grad``, so several
-threads can hand different gradients to the same parameters without racing on ``.grad``.
+``__init__(params, <torch.optim's hyperparameters>)`` checks the hyperparameters and keeps the
+float ones in ``self.defaults`` (a ``dict[str, float]``; tuples are split: ``betas`` ->
+``beta1``/``beta2``, ``etas`` -> ``etaminus``/``etaplus``, ``step_sizes`` ->
+``step_size_min``/``step_size_max``), the flags as attributes, and the state in
+``self.state: dict[Tensor, dict[str, Tensor]]``, laid out exactly like the matching
+``torch.optim`` class. ``step(gradients)`` takes one gradient per parameter, ``None`` to leave
+that parameter and its state alone, and hands the lists to torch's own functional kernel
+(``torch.optim.adam.adam`` and friends), so results match ``torch.optim``. Nothing reads or
+writes ``.grad``: several threads can step the same parameters with different gradients.
 
-The classes are plain Python at import time; :func:`metadist.optim.script_functional_optimizer`
-compiles an instance with ``torch.jit.script`` on first use (torch caches the compiled class).
-Uncompiled, they run eagerly and
-can use torch's multi-tensor (``foreach=True``) or fused (``fused=True``) kernels; compiled, they
-use the single-tensor path (TorchScript supports neither of the others).
-
-Every update is delegated to torch's own functional kernels (``torch.optim.adam.adam`` and
-friends), and state is laid out exactly like the matching ``torch.optim`` class, so results and
-``state_dict`` entries agree with ``torch.optim``. Hyperparameters live in ``self.defaults`` (a
-``dict[str, float]``, tuples split: ``betas`` -> ``beta1``/``beta2``, ``etas`` ->
-``etaminus``/``etaplus``, ``step_sizes`` -> ``step_size_min``/``step_size_max``); assign a new dict
-to change them between steps.
+Eagerly they can use torch's ``foreach`` (multi-tensor) or ``fused`` kernels; compiled with
+:func:`metadist.optim.script_functional_optimizer` they run the per-tensor loop.
 """
 
 from __future__ import annotations
@@ -38,15 +34,6 @@ from torch.optim.sgd import sgd as _sgd
 
 from metadist.optim.qhm import qhm
 
-
-def _check_gradients(num_params: int, num_gradients: int) -> None:
-    # A free function: TorchScript compiles it with each class that calls it.
-    if num_params != num_gradients:
-        raise ValueError(
-            f"gradients has {num_gradients} entries, expected one per parameter ({num_params})"
-        )
-
-
 __all__ = [
     "FunctionalAdadelta",
     "FunctionalAdagrad",
@@ -60,8 +47,71 @@ __all__ = [
 ]
 
 
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _new_state(p: Tensor, names: list[str], fills: list[float], fused: bool) -> dict[str, Tensor]:
+    state = torch.jit.annotate(dict[str, Tensor], {})
+    for i, name in enumerate(names):
+        if name == "step":
+            state[name] = (
+                torch.zeros((), dtype=torch.float32, device=p.device)
+                if fused
+                else torch.tensor(0.0)
+            )
+        else:
+            state[name] = torch.full_like(p, fills[i], memory_format=torch.preserve_format)
+    return state
+
+
+def _collect(
+    params: list[Tensor],
+    gradients: list[Tensor | None],
+    state: dict[Tensor, dict[str, Tensor]],
+    names: list[str],
+    fills: list[float],
+    fused: bool,
+) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], bool]:
+    """Parameters that have a gradient, their gradients, one list per state name, any complex.
+
+    A parameter's state is created at its first step, as torch.optim creates it: ``"step"`` a
+    scalar tensor (float32 on the parameter's device for fused kernels, a CPU tensor otherwise),
+    every other name a tensor like the parameter filled with ``fills[i]``.
+    """
+    _check(
+        len(params) == len(gradients),
+        f"gradients has {len(gradients)} entries, expected one per parameter ({len(params)})",
+    )
+    kept: list[Tensor] = []
+    grads: list[Tensor] = []
+    lists: list[list[Tensor]] = []
+    for _ in names:
+        lists.append(torch.jit.annotate(list[Tensor], []))
+    has_complex = False
+    for p, g in zip(params, gradients):
+        if g is not None:
+            if len(names) > 0 and p not in state:  # SGD keeps its optional buffers itself
+                state[p] = _new_state(p, names, fills, fused)
+            for i, name in enumerate(names):
+                lists[i].append(state[p][name])
+            kept.append(p)
+            grads.append(g)
+            has_complex = has_complex or torch.is_complex(p)
+    return kept, grads, lists, has_complex
+
+
+def _check_adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+    _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
+    _check(0.0 <= betas[0] < 1.0, f"Invalid beta parameter at index 0: {betas[0]}")
+    _check(0.0 <= betas[1] < 1.0, f"Invalid beta parameter at index 1: {betas[1]}")
+    _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+
+
 class FunctionalSGD:
-    """SGD (momentum, dampening, Nesterov, weight decay, maximize); matches ``torch.optim.SGD``.
+    """SGD; matches ``torch.optim.SGD``.
 
     Args:
         params: Parameters to update in place.
@@ -74,15 +124,12 @@ class FunctionalSGD:
         foreach: Multi-tensor kernels (eager only).
         fused: Fused kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
-        >>> p = torch.ones(2)
-        >>> FunctionalSGD([p], lr=0.5).step([torch.ones(2)])
-        >>> p
-        tensor([0.5000, 0.5000])
+        >>> p, q = torch.ones(2), torch.ones(2)
+        >>> FunctionalSGD([p, q], lr=0.5).step([torch.ones(2), None])
+        >>> p, q  # q had no gradient: left alone
+        (tensor([0.5000, 0.5000]), tensor([1., 1.]))
     """
 
     def __init__(
@@ -97,62 +144,30 @@ class FunctionalSGD:
         foreach: bool = False,
         fused: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if nesterov and (momentum <= 0.0 or dampening != 0.0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(momentum >= 0.0, f"Invalid momentum value: {momentum}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        _check(
+            not nesterov or (momentum > 0.0 and dampening == 0.0),
+            "Nesterov momentum requires a momentum and zero dampening",
         )
-        self.nesterov = nesterov
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
+        self.defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+        }
+        self.nesterov, self.maximize, self.foreach, self.fused = nesterov, maximize, foreach, fused
         self.params = params
         self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalSGD([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
+        params, grads, _, _ = _collect(self.params, gradients, self.state, [], [], False)
+        d = self.defaults
+        # torch's sgd creates missing momentum buffers in this list; they are kept below.
         bufs: list[Tensor | None] = []
-        momentum = self.defaults["momentum"]
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                params.append(p)
-                grads.append(g)
-                if momentum != 0.0:
-                    if p not in self.state:
-                        self.state[p] = torch.jit.annotate(dict[str, Tensor], {})
-                    state = self.state[p]
-                    if "momentum_buffer" in state:
-                        bufs.append(state["momentum_buffer"])
-                    else:
-                        bufs.append(None)
-                else:
-                    bufs.append(None)
-        if len(params) == 0:
-            return
+        for p in params:
+            bufs.append(self.state[p]["momentum_buffer"] if p in self.state else None)
         with torch.no_grad():
             _sgd(
                 params,
@@ -160,22 +175,21 @@ class FunctionalSGD:
                 bufs,
                 foreach=self.foreach,
                 fused=self.fused,
-                weight_decay=self.defaults["weight_decay"],
-                momentum=momentum,
-                lr=self.defaults["lr"],
-                dampening=self.defaults["dampening"],
+                weight_decay=d["weight_decay"],
+                momentum=d["momentum"],
+                lr=d["lr"],
+                dampening=d["dampening"],
                 nesterov=self.nesterov,
                 maximize=self.maximize,
             )
-        if momentum != 0.0:
-            for i in range(len(params)):
-                buf = bufs[i]
+        if d["momentum"] != 0.0:
+            for p, buf in zip(params, bufs):
                 if buf is not None:
-                    self.state[params[i]]["momentum_buffer"] = buf
+                    self.state[p] = {"momentum_buffer": buf}
 
 
 class FunctionalAdam:
-    """Adam (optionally AMSGrad, decoupled weight decay); matches ``torch.optim.Adam``.
+    """Adam; matches ``torch.optim.Adam``.
 
     Args:
         params: Parameters to update in place.
@@ -188,9 +202,6 @@ class FunctionalAdam:
         foreach: Multi-tensor kernels (eager only).
         fused: Fused kernels (eager only).
         decoupled_weight_decay: AdamW-style weight decay.
-
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
 
     Example:
         >>> import torch
@@ -213,108 +224,51 @@ class FunctionalAdam:
         fused: bool = False,
         decoupled_weight_decay: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "beta1": betas[0],
-                "beta2": betas[1],
-                "eps": eps,
-                "weight_decay": weight_decay,
-            },
-        )
-        self.amsgrad = amsgrad
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
+        _check_adam(lr, betas, eps, weight_decay)
+        self.defaults = {
+            "lr": lr,
+            "beta1": betas[0],
+            "beta2": betas[1],
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        self.amsgrad, self.maximize, self.foreach, self.fused = amsgrad, maximize, foreach, fused
         self.decoupled_weight_decay = decoupled_weight_decay
         self.params = params
         self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdam([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        exp_avgs: list[Tensor] = []
-        exp_avg_sqs: list[Tensor] = []
-        max_exp_avg_sqs: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    if self.fused:
-                        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    else:
-                        state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if self.amsgrad:
-                        state["max_exp_avg_sq"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                    self.state[p] = state
-                state = self.state[p]
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                if self.amsgrad:
-                    max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
+        names = ["step", "exp_avg", "exp_avg_sq"]
+        if self.amsgrad:
+            names.append("max_exp_avg_sq")
+        params, grads, s, has_complex = _collect(
+            self.params, gradients, self.state, names, [0.0, 0.0, 0.0, 0.0], self.fused
+        )
+        d = self.defaults
         with torch.no_grad():
             _adam(
                 params,
                 grads,
-                exp_avgs,
-                exp_avg_sqs,
-                max_exp_avg_sqs,
-                steps,
+                s[1],
+                s[2],
+                s[3] if self.amsgrad else [],
+                s[0],
                 foreach=self.foreach,
                 fused=self.fused,
                 has_complex=has_complex,
                 decoupled_weight_decay=self.decoupled_weight_decay,
                 amsgrad=self.amsgrad,
-                beta1=self.defaults["beta1"],
-                beta2=self.defaults["beta2"],
-                lr=self.defaults["lr"],
-                weight_decay=self.defaults["weight_decay"],
-                eps=self.defaults["eps"],
+                beta1=d["beta1"],
+                beta2=d["beta2"],
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
+                eps=d["eps"],
                 maximize=self.maximize,
             )
 
 
 class FunctionalAdamW:
-    """AdamW (decoupled weight decay, optionally AMSGrad); matches ``torch.optim.AdamW``.
+    """AdamW; matches ``torch.optim.AdamW``.
 
     Args:
         params: Parameters to update in place.
@@ -326,9 +280,6 @@ class FunctionalAdamW:
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
         fused: Fused kernels (eager only).
-
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
 
     Example:
         >>> import torch
@@ -350,106 +301,49 @@ class FunctionalAdamW:
         foreach: bool = False,
         fused: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "beta1": betas[0],
-                "beta2": betas[1],
-                "eps": eps,
-                "weight_decay": weight_decay,
-            },
-        )
-        self.amsgrad = amsgrad
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
+        _check_adam(lr, betas, eps, weight_decay)
+        self.defaults = {
+            "lr": lr,
+            "beta1": betas[0],
+            "beta2": betas[1],
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        self.amsgrad, self.maximize, self.foreach, self.fused = amsgrad, maximize, foreach, fused
         self.params = params
         self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdamW([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        exp_avgs: list[Tensor] = []
-        exp_avg_sqs: list[Tensor] = []
-        max_exp_avg_sqs: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    if self.fused:
-                        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    else:
-                        state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if self.amsgrad:
-                        state["max_exp_avg_sq"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                    self.state[p] = state
-                state = self.state[p]
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                if self.amsgrad:
-                    max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
+        names = ["step", "exp_avg", "exp_avg_sq"]
+        if self.amsgrad:
+            names.append("max_exp_avg_sq")
+        params, grads, s, has_complex = _collect(
+            self.params, gradients, self.state, names, [0.0, 0.0, 0.0, 0.0], self.fused
+        )
+        d = self.defaults
         with torch.no_grad():
             _adamw(
                 params,
                 grads,
-                exp_avgs,
-                exp_avg_sqs,
-                max_exp_avg_sqs,
-                steps,
+                s[1],
+                s[2],
+                s[3] if self.amsgrad else [],
+                s[0],
                 foreach=self.foreach,
                 fused=self.fused,
                 has_complex=has_complex,
                 amsgrad=self.amsgrad,
-                beta1=self.defaults["beta1"],
-                beta2=self.defaults["beta2"],
-                lr=self.defaults["lr"],
-                weight_decay=self.defaults["weight_decay"],
-                eps=self.defaults["eps"],
+                beta1=d["beta1"],
+                beta2=d["beta2"],
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
+                eps=d["eps"],
                 maximize=self.maximize,
             )
 
 
 class FunctionalAdagrad:
-    """Adagrad; matches ``torch.optim.Adagrad`` (state is created for every parameter up front).
+    """Adagrad; matches ``torch.optim.Adagrad`` (whose state exists from construction on).
 
     Args:
         params: Parameters to update in place.
@@ -461,9 +355,6 @@ class FunctionalAdagrad:
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
         fused: Fused kernels (eager only).
-
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
 
     Example:
         >>> import torch
@@ -485,99 +376,60 @@ class FunctionalAdagrad:
         foreach: bool = False,
         fused: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if lr_decay < 0.0:
-            raise ValueError(f"Invalid lr_decay value: {lr_decay}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if initial_accumulator_value < 0.0:
-            raise ValueError(
-                f"Invalid initial_accumulator_value value: {initial_accumulator_value}"
-            )
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "lr_decay": lr_decay,
-                "eps": eps,
-                "weight_decay": weight_decay,
-                "initial_accumulator_value": initial_accumulator_value,
-            },
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(lr_decay >= 0.0, f"Invalid lr_decay value: {lr_decay}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        _check(
+            initial_accumulator_value >= 0.0,
+            f"Invalid initial_accumulator_value value: {initial_accumulator_value}",
         )
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
+        _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
+        self.defaults = {
+            "lr": lr,
+            "lr_decay": lr_decay,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "initial_accumulator_value": initial_accumulator_value,
+        }
+        self.maximize, self.foreach, self.fused = maximize, foreach, fused
         self.params = params
         self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-        # torch.optim.Adagrad creates its state at construction; so do we, for equal state_dicts.
-        for p in self.params:
-            state = torch.jit.annotate(dict[str, Tensor], {})
-            if fused:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            else:
-                state["step"] = torch.tensor(0.0)
-            state["sum"] = torch.full_like(
-                p, initial_accumulator_value, memory_format=torch.preserve_format
-            )
-            self.state[p] = state
+        everything: list[Tensor | None] = []
+        for p in params:
+            everything.append(p)
+        _collect(
+            params, everything, self.state, ["step", "sum"], [0.0, initial_accumulator_value], fused
+        )
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdagrad([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        sums: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
+        # Every parameter's state exists already: the fills are never used.
+        params, grads, s, has_complex = _collect(
+            self.params, gradients, self.state, ["step", "sum"], [0.0, 0.0], self.fused
+        )
         has_sparse_grad = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                has_sparse_grad = has_sparse_grad or g.is_sparse
-                params.append(p)
-                grads.append(g)
-                state = self.state[p]
-                sums.append(state["sum"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
+        for g in grads:
+            has_sparse_grad = has_sparse_grad or g.is_sparse
+        d = self.defaults
         with torch.no_grad():
             _adagrad(
                 params,
                 grads,
-                sums,
-                steps,
+                s[1],
+                s[0],
                 fused=self.fused,
                 has_sparse_grad=has_sparse_grad,
                 foreach=self.foreach,
                 has_complex=has_complex,
-                lr=self.defaults["lr"],
-                weight_decay=self.defaults["weight_decay"],
-                lr_decay=self.defaults["lr_decay"],
-                eps=self.defaults["eps"],
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
+                lr_decay=d["lr_decay"],
+                eps=d["eps"],
                 maximize=self.maximize,
             )
 
 
 class FunctionalRMSprop:
-    """RMSprop (optionally centered, with momentum); matches ``torch.optim.RMSprop``.
+    """RMSprop; matches ``torch.optim.RMSprop``.
 
     Args:
         params: Parameters to update in place.
@@ -589,9 +441,6 @@ class FunctionalRMSprop:
         centered: Normalize by an estimate of the gradient's variance.
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
-
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
 
     Example:
         >>> import torch
@@ -613,104 +462,54 @@ class FunctionalRMSprop:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if alpha < 0.0:
-            raise ValueError(f"Invalid alpha value: {alpha}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "alpha": alpha,
-                "eps": eps,
-                "weight_decay": weight_decay,
-                "momentum": momentum,
-            },
-        )
-        self.centered = centered
-        self.maximize = maximize
-        self.foreach = foreach
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
+        _check(momentum >= 0.0, f"Invalid momentum value: {momentum}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        _check(alpha >= 0.0, f"Invalid alpha value: {alpha}")
+        self.defaults = {
+            "lr": lr,
+            "alpha": alpha,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+        }
+        self.centered, self.maximize, self.foreach = centered, maximize, foreach
         self.params = params
         self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalRMSprop([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        square_avgs: list[Tensor] = []
-        grad_avgs: list[Tensor] = []
-        momentum_bufs: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        momentum = self.defaults["momentum"]
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["step"] = torch.tensor(0.0)
-                    state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if momentum > 0.0:
-                        state["momentum_buffer"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                    if self.centered:
-                        state["grad_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self.state[p] = state
-                state = self.state[p]
-                square_avgs.append(state["square_avg"])
-                steps.append(state["step"])
-                if momentum > 0.0:
-                    momentum_bufs.append(state["momentum_buffer"])
-                if self.centered:
-                    grad_avgs.append(state["grad_avg"])
-        if len(params) == 0:
-            return
+        d = self.defaults
+        names = ["step", "square_avg"]
+        if d["momentum"] > 0.0:
+            names.append("momentum_buffer")
+        if self.centered:
+            names.append("grad_avg")
+        params, grads, s, has_complex = _collect(
+            self.params, gradients, self.state, names, [0.0, 0.0, 0.0, 0.0], False
+        )
         with torch.no_grad():
             _rmsprop(
                 params,
                 grads,
-                square_avgs,
-                grad_avgs,
-                momentum_bufs,
-                steps,
+                s[1],
+                s[-1] if self.centered else [],
+                s[2] if d["momentum"] > 0.0 else [],
+                s[0],
                 foreach=self.foreach,
                 maximize=self.maximize,
                 has_complex=has_complex,
-                lr=self.defaults["lr"],
-                alpha=self.defaults["alpha"],
-                eps=self.defaults["eps"],
-                weight_decay=self.defaults["weight_decay"],
-                momentum=momentum,
+                lr=d["lr"],
+                alpha=d["alpha"],
+                eps=d["eps"],
+                weight_decay=d["weight_decay"],
+                momentum=d["momentum"],
                 centered=self.centered,
             )
 
 
 class FunctionalAdamax:
-    """Adamax (Adam with the infinity norm); matches ``torch.optim.Adamax``.
+    """Adamax; matches ``torch.optim.Adamax``.
 
     Args:
         params: Parameters to update in place.
@@ -720,9 +519,6 @@ class FunctionalAdamax:
         weight_decay: L2 penalty.
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
-
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
 
     Example:
         >>> import torch
@@ -742,86 +538,43 @@ class FunctionalAdamax:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "beta1": betas[0],
-                "beta2": betas[1],
-                "eps": eps,
-                "weight_decay": weight_decay,
-            },
-        )
-        self.maximize = maximize
-        self.foreach = foreach
+        _check_adam(lr, betas, eps, weight_decay)
+        self.defaults = {
+            "lr": lr,
+            "beta1": betas[0],
+            "beta2": betas[1],
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        self.maximize, self.foreach = maximize, foreach
         self.params = params
         self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdamax([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        exp_avgs: list[Tensor] = []
-        exp_infs: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_inf"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self.state[p] = state
-                state = self.state[p]
-                exp_avgs.append(state["exp_avg"])
-                exp_infs.append(state["exp_inf"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
+        params, grads, s, has_complex = _collect(
+            self.params,
+            gradients,
+            self.state,
+            ["step", "exp_avg", "exp_inf"],
+            [0.0, 0.0, 0.0],
+            False,
+        )
+        d = self.defaults
         with torch.no_grad():
             _adamax(
                 params,
                 grads,
-                exp_avgs,
-                exp_infs,
-                steps,
+                s[1],
+                s[2],
+                s[0],
                 foreach=self.foreach,
                 maximize=self.maximize,
                 has_complex=has_complex,
-                eps=self.defaults["eps"],
-                beta1=self.defaults["beta1"],
-                beta2=self.defaults["beta2"],
-                lr=self.defaults["lr"],
-                weight_decay=self.defaults["weight_decay"],
+                eps=d["eps"],
+                beta1=d["beta1"],
+                beta2=d["beta2"],
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
             )
 
 
@@ -836,9 +589,6 @@ class FunctionalAdadelta:
         weight_decay: L2 penalty.
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
-
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
 
     Example:
         >>> import torch
@@ -858,81 +608,44 @@ class FunctionalAdadelta:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= rho <= 1.0:
-            raise ValueError(f"Invalid rho value: {rho}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float], {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
-        )
-        self.maximize = maximize
-        self.foreach = foreach
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(0.0 <= rho <= 1.0, f"Invalid rho value: {rho}")
+        _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        self.defaults = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
+        self.maximize, self.foreach = maximize, foreach
         self.params = params
         self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdadelta([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        square_avgs: list[Tensor] = []
-        acc_deltas: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["step"] = torch.tensor(0.0)
-                    state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["acc_delta"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self.state[p] = state
-                state = self.state[p]
-                square_avgs.append(state["square_avg"])
-                acc_deltas.append(state["acc_delta"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
+        params, grads, s, has_complex = _collect(
+            self.params,
+            gradients,
+            self.state,
+            ["step", "square_avg", "acc_delta"],
+            [0.0, 0.0, 0.0],
+            False,
+        )
+        d = self.defaults
         with torch.no_grad():
             _adadelta(
                 params,
                 grads,
-                square_avgs,
-                acc_deltas,
-                steps,
+                s[1],
+                s[2],
+                s[0],
                 foreach=self.foreach,
                 has_complex=has_complex,
-                lr=self.defaults["lr"],
-                rho=self.defaults["rho"],
-                eps=self.defaults["eps"],
-                weight_decay=self.defaults["weight_decay"],
+                lr=d["lr"],
+                rho=d["rho"],
+                eps=d["eps"],
+                weight_decay=d["weight_decay"],
                 maximize=self.maximize,
             )
 
 
 class FunctionalRprop:
-    """Rprop (resilient backpropagation); matches ``torch.optim.Rprop``.
+    """Rprop; matches ``torch.optim.Rprop``.
 
     Args:
         params: Parameters to update in place.
@@ -941,9 +654,6 @@ class FunctionalRprop:
         step_sizes: Minimal and maximal step sizes.
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
-
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
 
     Example:
         >>> import torch
@@ -962,87 +672,48 @@ class FunctionalRprop:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 < etas[0] < 1.0 < etas[1]:
-            raise ValueError(f"Invalid eta values: {etas[0]}, {etas[1]}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "etaminus": etas[0],
-                "etaplus": etas[1],
-                "step_size_min": step_sizes[0],
-                "step_size_max": step_sizes[1],
-            },
-        )
-        self.maximize = maximize
-        self.foreach = foreach
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(0.0 < etas[0] < 1.0 < etas[1], f"Invalid eta values: {etas[0]}, {etas[1]}")
+        self.defaults = {
+            "lr": lr,
+            "etaminus": etas[0],
+            "etaplus": etas[1],
+            "step_size_min": step_sizes[0],
+            "step_size_max": step_sizes[1],
+        }
+        self.maximize, self.foreach = maximize, foreach
         self.params = params
         self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalRprop([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        prevs: list[Tensor] = []
-        step_sizes: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["step"] = torch.tensor(0.0)
-                    state["prev"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["step_size"] = torch.full_like(g, self.defaults["lr"])
-                    self.state[p] = state
-                state = self.state[p]
-                prevs.append(state["prev"])
-                step_sizes.append(state["step_size"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
+        d = self.defaults
+        params, grads, s, has_complex = _collect(
+            self.params,
+            gradients,
+            self.state,
+            ["step", "prev", "step_size"],
+            [0.0, 0.0, d["lr"]],
+            False,
+        )
         with torch.no_grad():
             _rprop(
                 params,
                 grads,
-                prevs,
-                step_sizes,
-                steps,
+                s[1],
+                s[2],
+                s[0],
                 foreach=self.foreach,
                 maximize=self.maximize,
                 has_complex=has_complex,
-                step_size_min=self.defaults["step_size_min"],
-                step_size_max=self.defaults["step_size_max"],
-                etaminus=self.defaults["etaminus"],
-                etaplus=self.defaults["etaplus"],
+                step_size_min=d["step_size_min"],
+                step_size_max=d["step_size_max"],
+                etaminus=d["etaminus"],
+                etaplus=d["etaplus"],
             )
 
 
 class FunctionalQHM:
     """Quasi-hyperbolic momentum, the functional twin of :class:`metadist.optim.QHM`.
-
-    The dampened momentum buffer is created once, at a parameter's first step, and persists:
-    ``buf = momentum * buf + (1 - momentum) * g`` and ``p -= lr * (nu * buf + (1 - nu) * g)``.
 
     Args:
         params: Parameters to update in place.
@@ -1054,14 +725,11 @@ class FunctionalQHM:
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
         >>> p = torch.zeros(1)
         >>> FunctionalQHM([p], lr=1.0, momentum=0.5, nu=1.0).step([torch.ones(1)])
-        >>> p
+        >>> p  # the dampened buffer: 0.5 * 0 + 0.5 * 1
         tensor([-0.5000])
     """
 
@@ -1076,68 +744,61 @@ class FunctionalQHM:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if weight_decay_type != "grad" and weight_decay_type != "direct":
-            raise ValueError("Invalid weight_decay_type value: " + weight_decay_type)
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay},
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(0.0 <= momentum < 1.0, f"Invalid momentum value: {momentum}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        _check(
+            weight_decay_type == "grad" or weight_decay_type == "direct",  # noqa: PLR1714
+            "Invalid weight_decay_type value: " + weight_decay_type,
         )
-        self.weight_decay_type = weight_decay_type
-        self.maximize = maximize
-        self.foreach = foreach
+        self.defaults = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
+        self.weight_decay_type, self.maximize, self.foreach = weight_decay_type, maximize, foreach
         self.params = params
         self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
+        # The buffer is created once, at a parameter's first step, and persists.
+        params, grads, s, _ = _collect(
+            self.params, gradients, self.state, ["momentum_buffer"], [0.0], False
+        )
+        d = self.defaults
+        with torch.no_grad():
+            qhm(
+                params,
+                grads,
+                s[0],
+                lr=d["lr"],
+                momentum=d["momentum"],
+                nu=d["nu"],
+                weight_decay=d["weight_decay"],
+                weight_decay_type=self.weight_decay_type,
+                maximize=self.maximize,
+                foreach=self.foreach,
+            )
+
+
+_STEP_DOC = """Update every parameter whose gradient is not ``None``, in place.
 
         Args:
-            gradients: One entry per parameter, ``None`` to skip it.
+            gradients: One entry per parameter, in parameter order; ``None`` leaves that
+                parameter and its state alone.
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
 
         Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalQHM([p, q], lr=0.1, momentum=0.9, nu=0.7).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
+            ``opt.step([g0, None])`` updates the first parameter and skips the second.
         """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        bufs: list[Tensor] = []
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                params.append(p)
-                grads.append(g)
-                # Create the buffer once; it must survive across steps (the recipe's bug).
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format
-                    )
-                    self.state[p] = state
-                bufs.append(self.state[p]["momentum_buffer"])
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            qhm(
-                params,
-                grads,
-                bufs,
-                lr=self.defaults["lr"],
-                momentum=self.defaults["momentum"],
-                nu=self.defaults["nu"],
-                weight_decay=self.defaults["weight_decay"],
-                weight_decay_type=self.weight_decay_type,
-                maximize=self.maximize,
-                foreach=self.foreach,
-            )
+
+for _cls in (
+    FunctionalSGD,
+    FunctionalAdam,
+    FunctionalAdamW,
+    FunctionalAdagrad,
+    FunctionalRMSprop,
+    FunctionalAdamax,
+    FunctionalAdadelta,
+    FunctionalRprop,
+    FunctionalQHM,
+):
+    _cls.step.__doc__ = _STEP_DOC  # one shape, one description
