@@ -303,7 +303,12 @@ class LocalOptimizer:
                 for p, s in zip(self.params, states, strict=True)
                 if s
             }
-            window = None if accum is None else [_copy(a) for a in accum]
+            window = None
+            if accum is not None:
+                window = [
+                    None if a is None else a.detach().to(p.device, p.dtype, copy=True)
+                    for p, a in zip(self.params, accum, strict=True)
+                ]
             self.accum = (
                 window if window is not None and any(a is not None for a in window) else None
             )
