@@ -1,16 +1,16 @@
-# TorchScript compiles these classes: no zip(strict=), no inheritance, no `not in {...}`;
+# _step and _collect are compiled by TorchScript: no zip(strict=), no `not in {...}`; the
 # constructor signatures mirror torch.optim positionally.
-# ruff: noqa: B905, PLR0917
-"""Functional optimizers: one TorchScript-compatible class per algorithm, all of one shape.
+# ruff: noqa: B905, PLR0917, PLR1714
+"""Functional optimizers: one class per algorithm, one shape for all of them.
 
-``__init__(params, <torch.optim's hyperparameters>)`` checks the hyperparameters and keeps the
-float ones in ``self.defaults`` (a ``dict[str, float]``; tuples are split: ``betas`` ->
+Each class checks its hyperparameters in ``__init__(params, <torch.optim's hyperparameters>)`` and
+keeps the float ones in ``self.defaults`` (a ``dict[str, float]``; tuples are split: ``betas`` ->
 ``beta1``/``beta2``, ``etas`` -> ``etaminus``/``etaplus``, ``step_sizes`` ->
-``step_size_min``/``step_size_max``), the flags as attributes, and the state in
-``self.state: dict[Tensor, dict[str, Tensor]]``, laid out exactly like the matching
-``torch.optim`` class. ``step(gradients)`` takes one gradient per parameter, ``None`` to leave
-that parameter and its state alone, and hands the lists to torch's own functional kernel
-(``torch.optim.adam.adam`` and friends), so results match ``torch.optim``. Nothing reads or
+``step_size_min``/``step_size_max``), the flags in ``self.flags`` (also readable as attributes,
+``opt.foreach``), and the state in ``self.state: dict[Tensor, dict[str, Tensor]]``, laid out like
+the matching ``torch.optim`` class. All of them share one ``step(gradients)``: one gradient per
+parameter, ``None`` to leave that parameter and its state alone, handed to torch's own functional
+kernel (``torch.optim.adam.adam`` and friends), so results match ``torch.optim``. Nothing reads or
 writes ``.grad``: several threads can step the same parameters with different gradients.
 
 Eagerly they can use torch's ``foreach`` (multi-tensor) or ``fused`` kernels; compiled with
@@ -18,6 +18,8 @@ Eagerly they can use torch's ``foreach`` (multi-tensor) or ``fused`` kernels; co
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,7 +29,6 @@ from torch.optim.adadelta import adadelta as _adadelta
 from torch.optim.adagrad import adagrad as _adagrad
 from torch.optim.adam import adam as _adam
 from torch.optim.adamax import adamax as _adamax
-from torch.optim.adamw import adamw as _adamw
 from torch.optim.rmsprop import rmsprop as _rmsprop
 from torch.optim.rprop import rprop as _rprop
 from torch.optim.sgd import sgd as _sgd
@@ -40,10 +41,12 @@ __all__ = [
     "FunctionalAdam",
     "FunctionalAdamW",
     "FunctionalAdamax",
+    "FunctionalOptimizer",
     "FunctionalQHM",
     "FunctionalRMSprop",
     "FunctionalRprop",
     "FunctionalSGD",
+    "Scriptable",
 ]
 
 
@@ -102,6 +105,264 @@ def _collect(
     return kept, grads, lists, has_complex
 
 
+def _state_names(kind: str, d: dict[str, float], f: dict[str, bool]) -> list[str]:
+    if kind == "adam" or kind == "adamw":
+        names = ["step", "exp_avg", "exp_avg_sq"]
+        if f["amsgrad"]:
+            names.append("max_exp_avg_sq")
+        return names
+    if kind == "rmsprop":
+        names = ["step", "square_avg"]
+        if d["momentum"] > 0.0:
+            names.append("momentum_buffer")
+        if f["centered"]:
+            names.append("grad_avg")
+        return names
+    if kind == "adagrad":
+        return ["step", "sum"]
+    if kind == "adamax":
+        return ["step", "exp_avg", "exp_inf"]
+    if kind == "adadelta":
+        return ["step", "square_avg", "acc_delta"]
+    if kind == "rprop":
+        return ["step", "prev", "step_size"]
+    if kind == "qhm":
+        return ["momentum_buffer"]
+    return torch.jit.annotate(list[str], [])  # sgd: torch's kernel creates its buffers
+
+
+def _step(
+    kind: str,
+    params: list[Tensor],
+    gradients: list[Tensor | None],
+    state: dict[Tensor, dict[str, Tensor]],
+    d: dict[str, float],
+    f: dict[str, bool],
+) -> None:
+    """The step of every optimizer here: collect the lists, then run torch's kernel for ``kind``."""
+    names = _state_names(kind, d, f)
+    # Rprop's step size starts at lr, all other state at zero (Adagrad's is made up front).
+    fills = [0.0, 0.0, d["lr"] if kind == "rprop" else 0.0, 0.0]
+    fused = f.get("fused", False)
+    kept, g, s, cplx = _collect(params, gradients, state, names, fills, fused)
+    foreach, maximize = f["foreach"], f["maximize"]
+    with torch.no_grad():
+        if kind == "sgd":
+            bufs: list[Tensor | None] = []
+            for p in kept:
+                bufs.append(state[p]["momentum_buffer"] if p in state else None)
+            _sgd(
+                kept,
+                g,
+                bufs,
+                foreach=foreach,
+                fused=fused,
+                weight_decay=d["weight_decay"],
+                momentum=d["momentum"],
+                lr=d["lr"],
+                dampening=d["dampening"],
+                nesterov=f["nesterov"],
+                maximize=maximize,
+            )
+            if d["momentum"] != 0.0:  # keep the buffers torch's sgd created
+                for p, buf in zip(kept, bufs):
+                    if buf is not None:
+                        state[p] = {"momentum_buffer": buf}
+        elif kind == "adam" or kind == "adamw":
+            _adam(
+                kept,
+                g,
+                s[1],
+                s[2],
+                s[3] if f["amsgrad"] else [],
+                s[0],
+                foreach=foreach,
+                fused=fused,
+                has_complex=cplx,
+                decoupled_weight_decay=kind == "adamw" or f.get("decoupled_weight_decay", False),
+                amsgrad=f["amsgrad"],
+                beta1=d["beta1"],
+                beta2=d["beta2"],
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
+                eps=d["eps"],
+                maximize=maximize,
+            )
+        elif kind == "adagrad":
+            sparse = False
+            for grad in g:
+                sparse = sparse or grad.is_sparse
+            _adagrad(
+                kept,
+                g,
+                s[1],
+                s[0],
+                fused=fused,
+                has_sparse_grad=sparse,
+                foreach=foreach,
+                has_complex=cplx,
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
+                lr_decay=d["lr_decay"],
+                eps=d["eps"],
+                maximize=maximize,
+            )
+        elif kind == "rmsprop":
+            _rmsprop(
+                kept,
+                g,
+                s[1],
+                s[-1] if f["centered"] else [],
+                s[2] if d["momentum"] > 0.0 else [],
+                s[0],
+                foreach=foreach,
+                maximize=maximize,
+                has_complex=cplx,
+                lr=d["lr"],
+                alpha=d["alpha"],
+                eps=d["eps"],
+                weight_decay=d["weight_decay"],
+                momentum=d["momentum"],
+                centered=f["centered"],
+            )
+        elif kind == "adamax":
+            _adamax(
+                kept,
+                g,
+                s[1],
+                s[2],
+                s[0],
+                foreach=foreach,
+                maximize=maximize,
+                has_complex=cplx,
+                eps=d["eps"],
+                beta1=d["beta1"],
+                beta2=d["beta2"],
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
+            )
+        elif kind == "adadelta":
+            _adadelta(
+                kept,
+                g,
+                s[1],
+                s[2],
+                s[0],
+                foreach=foreach,
+                has_complex=cplx,
+                lr=d["lr"],
+                rho=d["rho"],
+                eps=d["eps"],
+                weight_decay=d["weight_decay"],
+                maximize=maximize,
+            )
+        elif kind == "rprop":
+            _rprop(
+                kept,
+                g,
+                s[1],
+                s[2],
+                s[0],
+                foreach=foreach,
+                maximize=maximize,
+                has_complex=cplx,
+                step_size_min=d["step_size_min"],
+                step_size_max=d["step_size_max"],
+                etaminus=d["etaminus"],
+                etaplus=d["etaplus"],
+            )
+        else:
+            qhm(
+                kept,
+                g,
+                s[0],
+                lr=d["lr"],
+                momentum=d["momentum"],
+                nu=d["nu"],
+                weight_decay=d["weight_decay"],
+                weight_decay_type="direct" if f["direct_weight_decay"] else "grad",
+                maximize=maximize,
+                foreach=foreach,
+            )
+
+
+class Scriptable:
+    """A metadist functional optimizer in the one class TorchScript compiles (it has no
+    inheritance): what :func:`metadist.optim.script_functional_optimizer` scripts.
+
+    Args:
+        kind: The algorithm (``"sgd"``, ``"adam"``, ...).
+        params: Parameters to update in place.
+        state: Per-parameter state.
+        defaults: Float hyperparameters.
+        flags: Boolean options.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        params: list[Tensor],
+        state: dict[Tensor, dict[str, Tensor]],
+        defaults: dict[str, float],
+        flags: dict[str, bool],
+    ) -> None:
+        self.kind = kind
+        self.params = params
+        self.state = state
+        self.defaults = defaults
+        self.flags = flags
+
+    def step(self, gradients: list[Tensor | None]) -> None:
+        """See :meth:`FunctionalOptimizer.step`."""
+        _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
+
+
+class FunctionalOptimizer:
+    """What the functional optimizers share: their state, their flags and their one ``step``."""
+
+    kind = ""
+
+    def __init__(self, params: list[Tensor], defaults: dict[str, float], **flags: bool) -> None:
+        self.params = params
+        self.defaults = defaults
+        self.flags = flags
+        self.state: dict[Tensor, dict[str, Tensor]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        flags = self.__dict__.get("flags", {})
+        if name in flags:  # opt.foreach, opt.fused, opt.amsgrad, ...
+            return flags[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def step(self, gradients: list[Tensor | None]) -> None:
+        """Update every parameter whose gradient is not ``None``, in place.
+
+        Args:
+            gradients: One entry per parameter, in parameter order; ``None`` leaves that
+                parameter and its state alone.
+
+        Raises:
+            ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> opt = FunctionalAdam([torch.zeros(1)])
+            >>> opt.step([None])
+            >>> opt.state  # no gradient yet: no state either
+            {}
+        """
+        _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
+
+    def scriptable(self) -> Scriptable:
+        """The same optimizer (same parameters, state and hyperparameters) as a
+        :class:`Scriptable`, the class ``torch.jit.script`` compiles.
+
+        Returns:
+            A :class:`Scriptable` sharing this optimizer's containers.
+        """
+        return Scriptable(self.kind, self.params, self.state, self.defaults, self.flags)
+
+
 def _check_adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     _check(lr >= 0.0, f"Invalid learning rate: {lr}")
     _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
@@ -110,7 +371,7 @@ def _check_adam(lr: float, betas: tuple[float, float], eps: float, weight_decay:
     _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
 
 
-class FunctionalSGD:
+class FunctionalSGD(FunctionalOptimizer):
     """SGD; matches ``torch.optim.SGD``.
 
     Args:
@@ -132,6 +393,8 @@ class FunctionalSGD:
         (tensor([0.5000, 0.5000]), tensor([1., 1.]))
     """
 
+    kind = "sgd"
+
     def __init__(
         self,
         params: list[Tensor],
@@ -151,44 +414,17 @@ class FunctionalSGD:
             not nesterov or (momentum > 0.0 and dampening == 0.0),
             "Nesterov momentum requires a momentum and zero dampening",
         )
-        self.defaults = {
+        hyper = {
             "lr": lr,
             "momentum": momentum,
             "dampening": dampening,
             "weight_decay": weight_decay,
         }
-        self.nesterov, self.maximize, self.foreach, self.fused = nesterov, maximize, foreach, fused
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        params, grads, _, _ = _collect(self.params, gradients, self.state, [], [], False)
-        d = self.defaults
-        # torch's sgd creates missing momentum buffers in this list; they are kept below.
-        bufs: list[Tensor | None] = []
-        for p in params:
-            bufs.append(self.state[p]["momentum_buffer"] if p in self.state else None)
-        with torch.no_grad():
-            _sgd(
-                params,
-                grads,
-                bufs,
-                foreach=self.foreach,
-                fused=self.fused,
-                weight_decay=d["weight_decay"],
-                momentum=d["momentum"],
-                lr=d["lr"],
-                dampening=d["dampening"],
-                nesterov=self.nesterov,
-                maximize=self.maximize,
-            )
-        if d["momentum"] != 0.0:
-            for p, buf in zip(params, bufs):
-                if buf is not None:
-                    self.state[p] = {"momentum_buffer": buf}
+        flags = {"nesterov": nesterov, "maximize": maximize, "foreach": foreach, "fused": fused}
+        super().__init__(params, hyper, **flags)
 
 
-class FunctionalAdam:
+class FunctionalAdam(FunctionalOptimizer):
     """Adam; matches ``torch.optim.Adam``.
 
     Args:
@@ -211,6 +447,8 @@ class FunctionalAdam:
         tensor([-0.1000])
     """
 
+    kind = "adam"
+
     def __init__(
         self,
         params: list[Tensor],
@@ -225,49 +463,18 @@ class FunctionalAdam:
         decoupled_weight_decay: bool = False,
     ) -> None:
         _check_adam(lr, betas, eps, weight_decay)
-        self.defaults = {
+        hyper = {
             "lr": lr,
             "beta1": betas[0],
             "beta2": betas[1],
             "eps": eps,
             "weight_decay": weight_decay,
         }
-        self.amsgrad, self.maximize, self.foreach, self.fused = amsgrad, maximize, foreach, fused
-        self.decoupled_weight_decay = decoupled_weight_decay
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        names = ["step", "exp_avg", "exp_avg_sq"]
-        if self.amsgrad:
-            names.append("max_exp_avg_sq")
-        params, grads, s, has_complex = _collect(
-            self.params, gradients, self.state, names, [0.0, 0.0, 0.0, 0.0], self.fused
-        )
-        d = self.defaults
-        with torch.no_grad():
-            _adam(
-                params,
-                grads,
-                s[1],
-                s[2],
-                s[3] if self.amsgrad else [],
-                s[0],
-                foreach=self.foreach,
-                fused=self.fused,
-                has_complex=has_complex,
-                decoupled_weight_decay=self.decoupled_weight_decay,
-                amsgrad=self.amsgrad,
-                beta1=d["beta1"],
-                beta2=d["beta2"],
-                lr=d["lr"],
-                weight_decay=d["weight_decay"],
-                eps=d["eps"],
-                maximize=self.maximize,
-            )
+        flags = {"amsgrad": amsgrad, "maximize": maximize, "foreach": foreach, "fused": fused}
+        super().__init__(params, hyper, decoupled_weight_decay=decoupled_weight_decay, **flags)
 
 
-class FunctionalAdamW:
+class FunctionalAdamW(FunctionalOptimizer):
     """AdamW; matches ``torch.optim.AdamW``.
 
     Args:
@@ -289,6 +496,8 @@ class FunctionalAdamW:
         tensor([-0.1000])
     """
 
+    kind = "adamw"
+
     def __init__(
         self,
         params: list[Tensor],
@@ -302,47 +511,18 @@ class FunctionalAdamW:
         fused: bool = False,
     ) -> None:
         _check_adam(lr, betas, eps, weight_decay)
-        self.defaults = {
+        hyper = {
             "lr": lr,
             "beta1": betas[0],
             "beta2": betas[1],
             "eps": eps,
             "weight_decay": weight_decay,
         }
-        self.amsgrad, self.maximize, self.foreach, self.fused = amsgrad, maximize, foreach, fused
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        names = ["step", "exp_avg", "exp_avg_sq"]
-        if self.amsgrad:
-            names.append("max_exp_avg_sq")
-        params, grads, s, has_complex = _collect(
-            self.params, gradients, self.state, names, [0.0, 0.0, 0.0, 0.0], self.fused
-        )
-        d = self.defaults
-        with torch.no_grad():
-            _adamw(
-                params,
-                grads,
-                s[1],
-                s[2],
-                s[3] if self.amsgrad else [],
-                s[0],
-                foreach=self.foreach,
-                fused=self.fused,
-                has_complex=has_complex,
-                amsgrad=self.amsgrad,
-                beta1=d["beta1"],
-                beta2=d["beta2"],
-                lr=d["lr"],
-                weight_decay=d["weight_decay"],
-                eps=d["eps"],
-                maximize=self.maximize,
-            )
+        flags = {"amsgrad": amsgrad, "maximize": maximize, "foreach": foreach, "fused": fused}
+        super().__init__(params, hyper, **flags)
 
 
-class FunctionalAdagrad:
+class FunctionalAdagrad(FunctionalOptimizer):
     """Adagrad; matches ``torch.optim.Adagrad`` (whose state exists from construction on).
 
     Args:
@@ -364,6 +544,8 @@ class FunctionalAdagrad:
         tensor([-0.1000])
     """
 
+    kind = "adagrad"
+
     def __init__(
         self,
         params: list[Tensor],
@@ -384,51 +566,20 @@ class FunctionalAdagrad:
             f"Invalid initial_accumulator_value value: {initial_accumulator_value}",
         )
         _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
-        self.defaults = {
+        hyper = {
             "lr": lr,
             "lr_decay": lr_decay,
             "eps": eps,
             "weight_decay": weight_decay,
             "initial_accumulator_value": initial_accumulator_value,
         }
-        self.maximize, self.foreach, self.fused = maximize, foreach, fused
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-        everything: list[Tensor | None] = []
-        for p in params:
-            everything.append(p)
-        _collect(
-            params, everything, self.state, ["step", "sum"], [0.0, initial_accumulator_value], fused
-        )
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        # Every parameter's state exists already: the fills are never used.
-        params, grads, s, has_complex = _collect(
-            self.params, gradients, self.state, ["step", "sum"], [0.0, 0.0], self.fused
-        )
-        has_sparse_grad = False
-        for g in grads:
-            has_sparse_grad = has_sparse_grad or g.is_sparse
-        d = self.defaults
-        with torch.no_grad():
-            _adagrad(
-                params,
-                grads,
-                s[1],
-                s[0],
-                fused=self.fused,
-                has_sparse_grad=has_sparse_grad,
-                foreach=self.foreach,
-                has_complex=has_complex,
-                lr=d["lr"],
-                weight_decay=d["weight_decay"],
-                lr_decay=d["lr_decay"],
-                eps=d["eps"],
-                maximize=self.maximize,
-            )
+        super().__init__(params, hyper, maximize=maximize, foreach=foreach, fused=fused)
+        # torch.optim.Adagrad creates its state at construction; so do we, for equal state_dicts.
+        fills = [0.0, initial_accumulator_value]
+        _collect(self.params, list(self.params), self.state, ["step", "sum"], fills, fused)
 
 
-class FunctionalRMSprop:
+class FunctionalRMSprop(FunctionalOptimizer):
     """RMSprop; matches ``torch.optim.RMSprop``.
 
     Args:
@@ -450,6 +601,8 @@ class FunctionalRMSprop:
         tensor([-0.1000])
     """
 
+    kind = "rmsprop"
+
     def __init__(
         self,
         params: list[Tensor],
@@ -467,48 +620,17 @@ class FunctionalRMSprop:
         _check(momentum >= 0.0, f"Invalid momentum value: {momentum}")
         _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
         _check(alpha >= 0.0, f"Invalid alpha value: {alpha}")
-        self.defaults = {
+        hyper = {
             "lr": lr,
             "alpha": alpha,
             "eps": eps,
             "weight_decay": weight_decay,
             "momentum": momentum,
         }
-        self.centered, self.maximize, self.foreach = centered, maximize, foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        d = self.defaults
-        names = ["step", "square_avg"]
-        if d["momentum"] > 0.0:
-            names.append("momentum_buffer")
-        if self.centered:
-            names.append("grad_avg")
-        params, grads, s, has_complex = _collect(
-            self.params, gradients, self.state, names, [0.0, 0.0, 0.0, 0.0], False
-        )
-        with torch.no_grad():
-            _rmsprop(
-                params,
-                grads,
-                s[1],
-                s[-1] if self.centered else [],
-                s[2] if d["momentum"] > 0.0 else [],
-                s[0],
-                foreach=self.foreach,
-                maximize=self.maximize,
-                has_complex=has_complex,
-                lr=d["lr"],
-                alpha=d["alpha"],
-                eps=d["eps"],
-                weight_decay=d["weight_decay"],
-                momentum=d["momentum"],
-                centered=self.centered,
-            )
+        super().__init__(params, hyper, centered=centered, maximize=maximize, foreach=foreach)
 
 
-class FunctionalAdamax:
+class FunctionalAdamax(FunctionalOptimizer):
     """Adamax; matches ``torch.optim.Adamax``.
 
     Args:
@@ -528,6 +650,8 @@ class FunctionalAdamax:
         tensor([-0.1000])
     """
 
+    kind = "adamax"
+
     def __init__(
         self,
         params: list[Tensor],
@@ -539,46 +663,17 @@ class FunctionalAdamax:
         foreach: bool = False,
     ) -> None:
         _check_adam(lr, betas, eps, weight_decay)
-        self.defaults = {
+        hyper = {
             "lr": lr,
             "beta1": betas[0],
             "beta2": betas[1],
             "eps": eps,
             "weight_decay": weight_decay,
         }
-        self.maximize, self.foreach = maximize, foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        params, grads, s, has_complex = _collect(
-            self.params,
-            gradients,
-            self.state,
-            ["step", "exp_avg", "exp_inf"],
-            [0.0, 0.0, 0.0],
-            False,
-        )
-        d = self.defaults
-        with torch.no_grad():
-            _adamax(
-                params,
-                grads,
-                s[1],
-                s[2],
-                s[0],
-                foreach=self.foreach,
-                maximize=self.maximize,
-                has_complex=has_complex,
-                eps=d["eps"],
-                beta1=d["beta1"],
-                beta2=d["beta2"],
-                lr=d["lr"],
-                weight_decay=d["weight_decay"],
-            )
+        super().__init__(params, hyper, maximize=maximize, foreach=foreach)
 
 
-class FunctionalAdadelta:
+class FunctionalAdadelta(FunctionalOptimizer):
     """Adadelta; matches ``torch.optim.Adadelta``.
 
     Args:
@@ -598,6 +693,8 @@ class FunctionalAdadelta:
         True
     """
 
+    kind = "adadelta"
+
     def __init__(
         self,
         params: list[Tensor],
@@ -612,39 +709,11 @@ class FunctionalAdadelta:
         _check(0.0 <= rho <= 1.0, f"Invalid rho value: {rho}")
         _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
         _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
-        self.defaults = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
-        self.maximize, self.foreach = maximize, foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        params, grads, s, has_complex = _collect(
-            self.params,
-            gradients,
-            self.state,
-            ["step", "square_avg", "acc_delta"],
-            [0.0, 0.0, 0.0],
-            False,
-        )
-        d = self.defaults
-        with torch.no_grad():
-            _adadelta(
-                params,
-                grads,
-                s[1],
-                s[2],
-                s[0],
-                foreach=self.foreach,
-                has_complex=has_complex,
-                lr=d["lr"],
-                rho=d["rho"],
-                eps=d["eps"],
-                weight_decay=d["weight_decay"],
-                maximize=self.maximize,
-            )
+        hyper = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, hyper, maximize=maximize, foreach=foreach)
 
 
-class FunctionalRprop:
+class FunctionalRprop(FunctionalOptimizer):
     """Rprop; matches ``torch.optim.Rprop``.
 
     Args:
@@ -663,6 +732,8 @@ class FunctionalRprop:
         tensor([-0.1000])
     """
 
+    kind = "rprop"
+
     def __init__(
         self,
         params: list[Tensor],
@@ -674,45 +745,17 @@ class FunctionalRprop:
     ) -> None:
         _check(lr >= 0.0, f"Invalid learning rate: {lr}")
         _check(0.0 < etas[0] < 1.0 < etas[1], f"Invalid eta values: {etas[0]}, {etas[1]}")
-        self.defaults = {
+        hyper = {
             "lr": lr,
             "etaminus": etas[0],
             "etaplus": etas[1],
             "step_size_min": step_sizes[0],
             "step_size_max": step_sizes[1],
         }
-        self.maximize, self.foreach = maximize, foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        d = self.defaults
-        params, grads, s, has_complex = _collect(
-            self.params,
-            gradients,
-            self.state,
-            ["step", "prev", "step_size"],
-            [0.0, 0.0, d["lr"]],
-            False,
-        )
-        with torch.no_grad():
-            _rprop(
-                params,
-                grads,
-                s[1],
-                s[2],
-                s[0],
-                foreach=self.foreach,
-                maximize=self.maximize,
-                has_complex=has_complex,
-                step_size_min=d["step_size_min"],
-                step_size_max=d["step_size_max"],
-                etaminus=d["etaminus"],
-                etaplus=d["etaplus"],
-            )
+        super().__init__(params, hyper, maximize=maximize, foreach=foreach)
 
 
-class FunctionalQHM:
+class FunctionalQHM(FunctionalOptimizer):
     """Quasi-hyperbolic momentum, the functional twin of :class:`metadist.optim.QHM`.
 
     Args:
@@ -733,6 +776,8 @@ class FunctionalQHM:
         tensor([-0.5000])
     """
 
+    kind = "qhm"
+
     def __init__(
         self,
         params: list[Tensor],
@@ -748,57 +793,12 @@ class FunctionalQHM:
         _check(0.0 <= momentum < 1.0, f"Invalid momentum value: {momentum}")
         _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
         _check(
-            weight_decay_type == "grad" or weight_decay_type == "direct",  # noqa: PLR1714
-            "Invalid weight_decay_type value: " + weight_decay_type,
+            weight_decay_type in ("grad", "direct"),
+            f"Invalid weight_decay_type value: {weight_decay_type}",
         )
-        self.defaults = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
-        self.weight_decay_type, self.maximize, self.foreach = weight_decay_type, maximize, foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        # The buffer is created once, at a parameter's first step, and persists.
-        params, grads, s, _ = _collect(
-            self.params, gradients, self.state, ["momentum_buffer"], [0.0], False
+        hyper = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
+        direct = weight_decay_type == "direct"
+        super().__init__(
+            params, hyper, direct_weight_decay=direct, maximize=maximize, foreach=foreach
         )
-        d = self.defaults
-        with torch.no_grad():
-            qhm(
-                params,
-                grads,
-                s[0],
-                lr=d["lr"],
-                momentum=d["momentum"],
-                nu=d["nu"],
-                weight_decay=d["weight_decay"],
-                weight_decay_type=self.weight_decay_type,
-                maximize=self.maximize,
-                foreach=self.foreach,
-            )
-
-
-_STEP_DOC = """Update every parameter whose gradient is not ``None``, in place.
-
-        Args:
-            gradients: One entry per parameter, in parameter order; ``None`` leaves that
-                parameter and its state alone.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            ``opt.step([g0, None])`` updates the first parameter and skips the second.
-        """
-
-for _cls in (
-    FunctionalSGD,
-    FunctionalAdam,
-    FunctionalAdamW,
-    FunctionalAdagrad,
-    FunctionalRMSprop,
-    FunctionalAdamax,
-    FunctionalAdadelta,
-    FunctionalRprop,
-    FunctionalQHM,
-):
-    _cls.step.__doc__ = _STEP_DOC  # one shape, one description
+        self.weight_decay_type = weight_decay_type

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from metadist._quiet import quiet_torch_warnings
+from metadist.optim.functional import FunctionalOptimizer
 
 __all__ = ["ScriptedFunctionalOptimizer", "script_functional_optimizer", "torchscript_status"]
 
@@ -78,7 +79,9 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
     def __init__(self, optim: Any) -> None:
         _check_functional_optimizer(optim)
         super().__init__()
-        self.optim = optim
+        # metadist's own classes share one step through inheritance, which TorchScript cannot
+        # compile: they are scripted as the one class holding the same containers.
+        self.optim = optim.scriptable() if isinstance(optim, FunctionalOptimizer) else optim
 
     @torch.jit.export
     def step(self, gradients: list[Tensor | None]) -> None:
