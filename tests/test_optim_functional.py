@@ -427,3 +427,55 @@ def test_torchscript_deprecated_auto_is_eager(caplog: pytest.LogCaptureFixture) 
     assert scripted.mode == "scripted"
     scripted._apply([torch.ones(2)])
     assert torch.equal(scripted.params[0], torch.full((2,), 0.5))
+
+
+@pytest.mark.parametrize(
+    ("torch_class", "functional_class", "kwargs"),
+    [
+        (torch.optim.Adam, FunctionalAdam, {"lr": 0.01, "amsgrad": True}),
+        (torch.optim.AdamW, FunctionalAdamW, {"lr": 0.01}),
+        (torch.optim.SGD, FunctionalSGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1}),
+        (torch.optim.SGD, FunctionalSGD, {"lr": 0.1}),
+    ],
+)
+def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[str, Any]) -> None:
+    """Fused SGD/Adam over many small parameters step them as one flat buffer: same results and
+    state as torch.optim, a per-tensor fallback for partial steps, and a fresh start on load."""
+    gen = torch.Generator().manual_seed(5)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    ref_params = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = torch_class(ref_params, fused=True, **kwargs)
+    params = [t.clone() for t in init]
+    optim = functional_class(params, fused=True, **kwargs)
+    plan = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(12)]
+    plan[6][1] = plan[6][3] = None  # one partial step, taken per tensor
+    flat = []
+    for grads in plan:
+        for p, g in zip(ref_params, grads, strict=True):
+            p.grad = g
+        ref.step()
+        optim.step(list(grads))
+        flat.append(optim._flat is not None)
+    # The first step creates the state; a partial step drops the flat buffers, and for
+    # optimizers that count steps per parameter (Adam) the counts then differ for good.
+    # (Plain SGD keeps no state at all: flat from its first step on.)
+    stateless = not optim.state
+    counts_steps = "step" in optim.state.get(params[0], {})
+    assert flat == [stateless] + [True] * 5 + [False] + [not counts_steps] * 5, flat
+    for mine, theirs in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
+    for p, ref_p in zip(params, ref_params, strict=True):
+        assert set(optim.state.get(p, {})) == set(ref.state.get(ref_p, {}))
+        for key, value in ref.state.get(ref_p, {}).items():
+            torch.testing.assert_close(optim.state[p][key], value, atol=1e-6, rtol=1e-6)
+    # Assigning a state (a load) drops the flat buffers; stepping adopts the new state.
+    optim.state = {p: {k: v.clone() for k, v in s.items()} for p, s in optim.state.items()}
+    if counts_steps:  # equal counts again: the state can be stepped flat
+        for entry in optim.state.values():
+            entry["step"] = torch.tensor(12.0)
+    assert optim._flat is None
+    full = [torch.ones(s) for s in SHAPES]
+    before = [p.clone() for p in params]
+    optim.step(full)
+    assert optim._flat is not None
+    assert all(not torch.equal(a, b) for a, b in zip(before, params, strict=True))

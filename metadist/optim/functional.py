@@ -55,6 +55,13 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_count(num_params: int, num_gradients: int) -> None:
+    _check(
+        num_params == num_gradients,
+        f"gradients has {num_gradients} entries, expected one per parameter ({num_params})",
+    )
+
+
 def _new_state(p: Tensor, names: list[str], fills: list[float], fused: bool) -> dict[str, Tensor]:
     state = torch.jit.annotate(dict[str, Tensor], {})
     for i, name in enumerate(names):
@@ -83,10 +90,7 @@ def _collect(
     scalar tensor (float32 on the parameter's device for fused kernels, a CPU tensor otherwise),
     every other name a tensor like the parameter filled with ``fills[i]``.
     """
-    _check(
-        len(params) == len(gradients),
-        f"gradients has {len(gradients)} entries, expected one per parameter ({len(params)})",
-    )
+    _check_count(len(params), len(gradients))
     kept: list[Tensor] = []
     grads: list[Tensor] = []
     lists: list[list[Tensor]] = []
@@ -317,6 +321,60 @@ class Scriptable:
         _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
 
 
+# Below this mean element count per parameter, one fused kernel call over flat buffers beats
+# torch's fused kernel called once per tensor (about 3 us each on CPU), copies included
+# (measured: Adam on 100 x 1,000, 0.35 ms per tensor vs 0.13 ms flat).
+FLAT_MAX_MEAN_NUMEL = 4096
+
+
+class _Flat:
+    """The state of many small parameters in one buffer per name (the parameters' state entries
+    become views of it), with buffers the parameters and gradients are copied into: a step is
+    one kernel call. The parameters' "step" counters share one tensor while this is in use."""
+
+    def __init__(self, params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> None:
+        self.sizes = [p.numel() for p in params]
+        first = params[0]
+        self.param = torch.empty(sum(self.sizes), dtype=first.dtype, device=first.device)
+        self.grad = torch.empty_like(self.param)
+        self.param_views = [v.view_as(p) for v, p in zip(self.param.split(self.sizes), params)]
+        self.state: dict[Tensor, dict[str, Tensor]] = {}
+        if not state:
+            return  # plain SGD: no state
+        entry: dict[str, Tensor] = {}
+        for name in state[first]:
+            if name == "step":
+                entry[name] = state[first][name].clone()
+                for p in params:
+                    state[p][name] = entry[name]
+                continue
+            entry[name] = torch.cat([state[p][name].reshape(-1) for p in params])
+            for p, view in zip(params, entry[name].split(self.sizes)):
+                state[p][name] = view.view_as(p)
+        self.state[self.param] = entry
+
+    @staticmethod
+    def adoptable(
+        params: list[Tensor], state: dict[Tensor, dict[str, Tensor]], needs_state: bool
+    ) -> bool:
+        """Whether every parameter has state of the same names and the same step count."""
+        if not state:
+            return not needs_state
+        names = set(state.get(params[0], ()))
+        if not names or any(p not in state or set(state[p]) != names for p in params):
+            return False
+        if "step" not in names:
+            return True
+        steps = torch.stack([state[p]["step"] for p in params])
+        return bool((steps == steps[0]).all())
+
+    def release(self, state: dict[Tensor, dict[str, Tensor]]) -> None:
+        """Give every parameter its own step counter back (per-tensor kernels advance each)."""
+        for entry in state.values():
+            if "step" in entry:
+                entry["step"] = entry["step"].clone()
+
+
 class FunctionalOptimizer:
     """What the functional optimizers share: their state, their flags and their one ``step``."""
 
@@ -326,7 +384,36 @@ class FunctionalOptimizer:
         self.params = params
         self.defaults = defaults
         self.flags = flags
-        self.state: dict[Tensor, dict[str, Tensor]] = {}
+        self.state = {}
+        first = params[0] if params else None
+        # Flat stepping suits fused SGD/Adam/AdamW over many small real tensors of one kind.
+        self._flattens = (
+            type(self).kind in ("sgd", "adam", "adamw")
+            and bool(flags.get("fused"))
+            and first is not None
+            and len(params) > 1
+            and sum(p.numel() for p in params) <= FLAT_MAX_MEAN_NUMEL * len(params)
+            and all(
+                p.dtype == first.dtype
+                and p.device == first.device
+                and p.layout == torch.strided
+                and not torch.is_complex(p)
+                for p in params
+            )
+        )
+
+    @property
+    def state(self) -> dict[Tensor, dict[str, Tensor]]:
+        """``{parameter: {name: tensor}}``, as the matching ``torch.optim`` class keeps it.
+
+        Assign a new dict to replace it (as ``load_state_dict`` does).
+        """
+        return self._state
+
+    @state.setter
+    def state(self, value: dict[Tensor, dict[str, Tensor]]) -> None:
+        self._state = value
+        self._flat: _Flat | None = None
 
     def __getattr__(self, name: str) -> Any:
         flags = self.__dict__.get("flags", {})
@@ -351,6 +438,30 @@ class FunctionalOptimizer:
             >>> opt.state  # no gradient yet: no state either
             {}
         """
+        _check_count(len(self.params), len(gradients))
+        if self._flattens and all(
+            g is not None and g.dtype == self.params[0].dtype and g.layout == torch.strided
+            for g in gradients
+        ):
+            # SGD without momentum keeps no state; every other kind must have it to flatten.
+            needs_state = self.kind != "sgd" or self.defaults["momentum"] != 0.0
+            if self._flat is not None and needs_state and not self._flat.state:
+                self._flat = None
+            if self._flat is None and _Flat.adoptable(self.params, self.state, needs_state):
+                self._flat = _Flat(self.params, self.state)
+            if self._flat is not None:
+                flat = self._flat
+                with torch.no_grad():
+                    torch.cat([p.reshape(-1) for p in self.params], out=flat.param)
+                    torch.cat([g.reshape(-1) for g in gradients], out=flat.grad)  # type: ignore[union-attr]
+                    _step(
+                        self.kind, [flat.param], [flat.grad], flat.state, self.defaults, self.flags
+                    )
+                    torch._foreach_copy_(self.params, flat.param_views)
+                return
+        if self._flat is not None:
+            self._flat.release(self.state)
+            self._flat = None
         _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
 
     def scriptable(self) -> Scriptable:
