@@ -434,12 +434,10 @@ def test_torchscript_deprecated_auto_is_eager(caplog: pytest.LogCaptureFixture) 
     [
         (torch.optim.Adam, FunctionalAdam, {"lr": 0.01, "amsgrad": True}),
         (torch.optim.AdamW, FunctionalAdamW, {"lr": 0.01}),
-        (torch.optim.SGD, FunctionalSGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1}),
-        (torch.optim.SGD, FunctionalSGD, {"lr": 0.1}),
     ],
 )
 def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[str, Any]) -> None:
-    """Fused SGD/Adam over many small parameters step them as one flat buffer: same results and
+    """Fused Adam over many small parameters steps them as one flat buffer: same results and
     state as torch.optim, a per-tensor fallback for partial steps, and a fresh start on load."""
     gen = torch.Generator().manual_seed(5)
     init = [torch.randn(s, generator=gen) for s in SHAPES]
@@ -456,12 +454,9 @@ def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[s
         ref.step()
         optim.step(list(grads))
         flat.append(optim._flat is not None)
-    # The first step creates the state; a partial step drops the flat buffers, and for
-    # optimizers that count steps per parameter (Adam) the counts then differ for good.
-    # (Plain SGD keeps no state at all: flat from its first step on.)
-    stateless = not optim.state
-    counts_steps = "step" in optim.state.get(params[0], {})
-    assert flat == [stateless] + [True] * 5 + [False] + [not counts_steps] * 5, flat
+    # The first step creates the state; a partial step drops the flat buffers, and as the
+    # parameters' step counts then differ, the rest goes per tensor.
+    assert flat == [False] + [True] * 5 + [False] * 6, flat
     for mine, theirs in zip(params, ref_params, strict=True):
         torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
     for p, ref_p in zip(params, ref_params, strict=True):
@@ -470,9 +465,8 @@ def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[s
             torch.testing.assert_close(optim.state[p][key], value, atol=1e-6, rtol=1e-6)
     # Assigning a state (a load) drops the flat buffers; stepping adopts the new state.
     optim.state = {p: {k: v.clone() for k, v in s.items()} for p, s in optim.state.items()}
-    if counts_steps:  # equal counts again: the state can be stepped flat
-        for entry in optim.state.values():
-            entry["step"] = torch.tensor(12.0)
+    for entry in optim.state.values():  # equal counts again: the state can be stepped flat
+        entry["step"] = torch.tensor(12.0)
     assert optim._flat is None
     full = [torch.ones(s) for s in SHAPES]
     before = [p.clone() for p in params]
