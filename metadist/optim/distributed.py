@@ -565,11 +565,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         return passes, {order[k]: g for k, g in grads.items()}
 
-    def _stage(
-        self, context_id: int, inv_scale: float | None, norm_type: float | None
+    def stage_gradients(
+        self, context_id: int, inv_scale: float | None = None, norm_type: float | None = None
     ) -> list[tuple[bool, Tensor | None]]:
-        """Stage, on every owner, the gradients the next ``step(context_id)`` uses (unscaled by
-        ``inv_scale``); return each owner's (found inf/NaN, norm of order ``norm_type``)."""
+        """Prepare, on every owner, the gradients the next ``step(context_id)`` applies.
+
+        The building block of :class:`DistributedGradScaler` and :func:`clip_grad_norm_` (one
+        request per owner): each owner takes the gradients that step will use (with the
+        accumulation window when it applies), multiplies them by ``inv_scale`` and reports
+        inf/NaN, measures their norm, and keeps them for the step.
+
+        Args:
+            context_id: A distributed-autograd context id created in this process.
+            inv_scale: Factor to unscale the gradients by, or ``None`` to leave them.
+            norm_type: Order of the norm to report, or ``None`` for no norm.
+
+        Returns:
+            Per owner: ``(found inf/NaN, norm or None)``.
+
+        Example:
+            ``any(inf for inf, _ in opt.stage_gradients(cid, inv_scale=1 / 1024))``
+        """
         check_context(context_id, "DistributedOptimizer")
         apply = self.next_step_applies
         return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())
@@ -673,7 +689,7 @@ def clip_grad_norm_(
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
     if not isinstance(norm_type, int | float) or not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
-    results = optimizer._stage(context_id, None, float(norm_type))
+    results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
     norms = [n for _, n in results if n is not None]
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), float(norm_type))
     previous = optimizer._coef.get(context_id, 1.0)

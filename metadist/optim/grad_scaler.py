@@ -164,7 +164,7 @@ class DistributedGradScaler:
         if not self._enabled:
             self._unscaled[key] = False
             return False
-        results = optimizer._stage(context_id, 1.0 / self._scale, None)
+        results = optimizer.stage_gradients(context_id, inv_scale=1.0 / self._scale)
         found = any(f for f, _ in results)
         self._unscaled[key] = found
         return found
