@@ -272,9 +272,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             except BaseException as exc:  # still collect the owners' replies
                 error = exc
-        created = _wait_all(futures)
-        if error is not None:
-            raise error
+        created = _wait_all(futures, error)
         # The RRefs keep the owners' optimizers alive; requests address them by key.
         self._remote_rrefs = {o: rref for o, (rref, _) in created.items()}
         self._remote: dict[str, int] = {o: key for o, (_, key) in created.items()}
