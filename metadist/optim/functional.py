@@ -83,8 +83,8 @@ def _collect(
     names: list[str],
     fills: list[float],
     fused: bool,
-) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], bool]:
-    """Parameters that have a gradient, their gradients, one list per state name, any complex.
+) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]]]:
+    """Parameters that have a gradient, their gradients, and one list per state name.
 
     A parameter's state is created at its first step, as torch.optim creates it: ``"step"`` a
     scalar tensor (float32 on the parameter's device for fused kernels, a CPU tensor otherwise),
@@ -96,17 +96,17 @@ def _collect(
     lists: list[list[Tensor]] = []
     for _ in names:
         lists.append(torch.jit.annotate(list[Tensor], []))
-    has_complex = False
     for p, g in zip(params, gradients):
         if g is not None:
-            if len(names) > 0 and p not in state:  # SGD keeps its optional buffers itself
-                state[p] = _new_state(p, names, fills, fused)
-            for i, name in enumerate(names):
-                lists[i].append(state[p][name])
             kept.append(p)
             grads.append(g)
-            has_complex = has_complex or torch.is_complex(p)
-    return kept, grads, lists, has_complex
+            if len(names) > 0:  # (SGD keeps its optional buffers itself)
+                if p not in state:
+                    state[p] = _new_state(p, names, fills, fused)
+                entry = state[p]
+                for i in range(len(names)):
+                    lists[i].append(entry[names[i]])
+    return kept, grads, lists
 
 
 def _state_names(kind: str, d: dict[str, float], f: dict[str, bool]) -> list[str]:
@@ -148,13 +148,18 @@ def _step(
     # Rprop's step size starts at lr, all other state at zero (Adagrad's is made up front).
     fills = [0.0, 0.0, d["lr"] if kind == "rprop" else 0.0, 0.0]
     fused = f.get("fused", False)
-    kept, g, s, cplx = _collect(params, gradients, state, names, fills, fused)
+    kept, g, s = _collect(params, gradients, state, names, fills, fused)
+    cplx = False
+    if kind != "sgd" and kind != "qhm":  # the kernels that take has_complex
+        for p in kept:
+            cplx = cplx or torch.is_complex(p)
     foreach, maximize = f["foreach"], f["maximize"]
     with torch.no_grad():
         if kind == "sgd":
             bufs: list[Tensor | None] = []
-            for p in kept:
-                bufs.append(state[p]["momentum_buffer"] if p in state else None)
+            for p in kept:  # plain SGD keeps no buffers: skip the lookups
+                has = d["momentum"] != 0.0 and p in state
+                bufs.append(state[p]["momentum_buffer"] if has else None)
             _sgd(
                 kept,
                 g,
