@@ -7,7 +7,8 @@ processes): it loads the file, puts the parameters back on their owners, loads t
 into a fresh ``DistributedOptimizer`` and trains the last 10 steps. The parameters must equal the
 uninterrupted run exactly (``torch.equal``), for Adam (AMSGrad; ``step``, ``exp_avg``,
 ``exp_avg_sq``, ``max_exp_avg_sq`` state), SGD with momentum and metadist's QHM, with an LR
-scheduler whose ``lr`` also has to come back. The example's ``--resume`` is checked in
+scheduler whose ``lr`` also has to come back, and for Adam accumulating over 3 passes, whose
+checkpoint falls in the middle of a window. The example's ``--resume`` is checked in
 ``tests/test_examples.py::test_sinusoid_trains_on_two_workers_and_resumes_exactly``.
 """
 
@@ -33,6 +34,8 @@ CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 0.05, "amsgrad": True, "weight_decay": 0.01}),
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
     "qhm": (QHM, {"lr": 0.1, "momentum": 0.9, "nu": 0.7}),
+    # Three passes per step: the checkpoint after pass 10 falls inside a window (10 = 3 * 3 + 1).
+    "adam-window": (torch.optim.Adam, {"lr": 0.05, "backward_passes_per_step": 3}),
 }
 
 
@@ -112,6 +115,13 @@ def _first_job(rank: int, world_size: int, out: str) -> None:
             "scheduler": sched.state_dict(),
             "straight": _values(straight),
         }
+        window = state.get("accumulation")
+        if name == "adam-window":  # mid-window: the passes so far and their gradients come along
+            assert window is not None
+            assert window["passes"] == 1, window
+            assert sorted(window["gradients"]) == list(range(len(OWNERS))), window
+        else:
+            assert window is None, window
         # The first half is not already the end (the check below must be able to fail).
         assert not torch.equal(saved[name]["params"][0], saved[name]["straight"][0])
     torch.save(saved, Path(out) / "checkpoint.pt")

@@ -8,7 +8,9 @@ local ``torch.optim`` optimizer.
 from __future__ import annotations
 
 import copy
+import io
 import math
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +19,7 @@ import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from _dist import run_world
+from _dist import Scenarios, run_scenarios
 
 from metadist.optim import (
     QHM,
@@ -25,7 +27,10 @@ from metadist.optim import (
     DistributedOptimizer,
     FunctionalAdam,
     clip_grad_norm_,
+    register_functional_optimizer,
 )
+from metadist.optim.qhm import qhm
+from metadist.optim.scripting import torchscript_status
 
 OWNERS = ("worker1", "worker2", "worker0")  # pipeline order; worker0 is the caller
 DIM = 4
@@ -59,6 +64,33 @@ def _layer(
 
 def _fetch(rref: rpc.RRef[torch.Tensor]) -> torch.Tensor:
     return rref.local_value().detach().clone()
+
+
+class MyQHM(QHM):
+    """A user's optimizer class, registered with a twin that takes no foreach/fused."""
+
+
+@register_functional_optimizer(MyQHM)
+class FunctionalMyQHM:
+    def __init__(self, params: list[torch.Tensor], lr: float, momentum: float, nu: float) -> None:
+        self.defaults = {"lr": lr, "momentum": momentum, "nu": nu}
+        self.params = params
+        self.state = torch.jit.annotate(dict[torch.Tensor, dict[str, torch.Tensor]], {})
+
+    def step(self, gradients: list[torch.Tensor | None]) -> None:
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        bufs: list[torch.Tensor] = []
+        for p, g in zip(self.params, gradients):  # noqa: B905 (TorchScript)
+            if g is not None:
+                if p not in self.state:
+                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+                params.append(p)
+                grads.append(g)
+                bufs.append(self.state[p]["momentum_buffer"])
+        d = self.defaults
+        with torch.no_grad():
+            qhm(params, grads, bufs, d["lr"], d["momentum"], d["nu"], 0.0, "grad")
 
 
 # -- the model, distributed and local ---------------------------------------------------------
@@ -153,7 +185,7 @@ def _local_step(
 # -- scenarios (all run on rank 0) --------------------------------------------------------------
 
 
-def _check_equivalence() -> None:
+def _check_equivalence(world_size: int) -> None:
     cases: list[tuple[type, dict[str, Any], Any]] = [
         (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "auto"),
         (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "scripted"),
@@ -190,7 +222,7 @@ def _check_equivalence() -> None:
             assert set(described.values()) == {("eager", "single-tensor", 2)}, described
 
 
-def _check_kernels() -> None:
+def _check_kernels(world_size: int) -> None:
     """Owners auto-pick only the kernel flags the user left unset; explicit values are obeyed."""
     model = Model(seed=70)
     qhm = {"lr": 0.1, "momentum": 0.9, "nu": 0.7}
@@ -224,7 +256,7 @@ def _window(
     ref.step()
 
 
-def _check_load_resets_accumulation() -> None:
+def _check_load_resets_accumulation(world_size: int) -> None:
     """Gradients accumulated before load_state_dict are never applied after it."""
     for cls in (torch.optim.Adam, torch.optim.NAdam):  # functional twin / torch.optim itself
         model = Model(seed=80)
@@ -247,7 +279,7 @@ def _check_load_resets_accumulation() -> None:
         model.assert_matches_local(what=f"{cls.__name__} after load_state_dict")
 
 
-def _check_accumulation() -> None:
+def _check_accumulation(world_size: int) -> None:
     for average in (True, False):
         model = Model(seed=10)
         opt = DistributedOptimizer(
@@ -277,7 +309,76 @@ def _check_accumulation() -> None:
             model.assert_matches_local(what=f"accumulation average={average} window {window}")
 
 
-def _check_scaler() -> None:
+def _scalar(value: float) -> torch.Tensor:
+    return torch.tensor([value], requires_grad=True)
+
+
+def _square_loss(w: rpc.RRef[torch.Tensor], target: float) -> torch.Tensor:
+    return (w.local_value() - target).pow(2).sum()
+
+
+def _window_pass(ws: list[rpc.RRef[torch.Tensor]], opt: DistributedOptimizer, t: float) -> None:
+    with dist_autograd.context() as cid:
+        losses = [
+            _square_loss(w, t) if w.is_owner() else rpc.rpc_sync(w.owner(), _square_loss, (w, t))
+            for w in ws
+        ]
+        dist_autograd.backward(cid, [torch.stack(losses).sum()])
+        opt.step(cid)
+
+
+def _check_window_checkpoint(world_size: int) -> None:
+    """SGD lr=1, 2 passes per step, loss (w - t)^2 with t=1 then t=3, from w=0: w becomes 4.0.
+
+    A checkpoint after the first pass carries the window (bit-exact resume); one at the window's
+    boundary is a plain torch.optim dict and resumes too. One parameter remote, one on the caller.
+    """
+    owners = ("worker1", "worker0")
+
+    def fresh(value: float, **kwargs: Any) -> tuple[list[Any], DistributedOptimizer]:
+        ws = [rpc.remote(o, _scalar, args=(value,)) for o in owners]
+        sgd = {"lr": 1.0, "backward_passes_per_step": 2, **kwargs}
+        return ws, DistributedOptimizer(torch.optim.SGD, ws, **sgd)
+
+    def values(ws: list[Any]) -> list[float]:
+        return [rpc.rpc_sync(w.owner(), _fetch, args=(w,)).item() for w in ws]
+
+    ws, opt = fresh(0.0)
+    _window_pass(ws, opt, 1.0)
+    mid = opt.state_dict()
+    assert mid["accumulation"]["passes"] == 1
+    assert sorted(mid["accumulation"]["gradients"]) == [0, 1]
+    _window_pass(ws, opt, 3.0)
+    assert values(ws) == [4.0, 4.0]  # uninterrupted
+    boundary = opt.state_dict()
+    assert "accumulation" not in boundary
+    _window_pass(ws, opt, 1.0)
+    _window_pass(ws, opt, 3.0)
+    assert values(ws) == [0.0, 0.0]
+
+    # Mid-window resume: a new job would torch.save / torch.load the dict.
+    buffer = io.BytesIO()
+    torch.save(mid, buffer)
+    buffer.seek(0)
+    ws2, opt2 = fresh(0.0)
+    opt2.load_state_dict(torch.load(buffer, weights_only=True))
+    assert opt2.next_step_applies
+    _window_pass(ws2, opt2, 3.0)
+    assert values(ws2) == [4.0, 4.0]
+    # Boundary resume: a fresh window.
+    ws3, opt3 = fresh(4.0)
+    opt3.load_state_dict(boundary)
+    assert not opt3.next_step_applies
+    _window_pass(ws3, opt3, 1.0)
+    _window_pass(ws3, opt3, 3.0)
+    assert values(ws3) == [0.0, 0.0]
+    # A window that does not fit is refused before anything is sent.
+    _, opt4 = fresh(0.0, backward_passes_per_step=1)
+    with pytest.raises(ValueError, match=r"0 < k < backward_passes_per_step \(1\)"):
+        opt4.load_state_dict(mid)
+
+
+def _check_scaler(world_size: int) -> None:
     model = Model(seed=20)
     opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, momentum=0.9)
     ref = torch.optim.SGD(model.local, lr=0.1, momentum=0.9)
@@ -322,7 +423,7 @@ def _check_scaler() -> None:
         assert all(bool(torch.isfinite(v).all()) for v in model.values())
 
 
-def _check_clipping() -> None:
+def _check_clipping(world_size: int) -> None:
     for norm_type in (2.0, math.inf):
         model = Model(seed=30)
         opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.5)
@@ -341,7 +442,7 @@ def _check_clipping() -> None:
         model.assert_matches_local(what=f"clipping norm_type={norm_type}")
 
 
-def _check_state_dict() -> None:
+def _check_state_dict(world_size: int) -> None:
     model = Model(seed=40)
     opt = DistributedOptimizer(torch.optim.Adam, model.rrefs, lr=0.05, amsgrad=True)
     ref = torch.optim.Adam(model.local, lr=0.05, amsgrad=True)
@@ -375,7 +476,7 @@ def _check_state_dict() -> None:
         opt2.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
 
 
-def _check_lr_scheduler() -> None:
+def _check_lr_scheduler(world_size: int) -> None:
     model = Model(seed=50)
     opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.2, momentum=0.5)
     ref = torch.optim.SGD(model.local, lr=0.2, momentum=0.5)
@@ -394,7 +495,7 @@ def _ps_forward(w: rpc.RRef[torch.Tensor], c: torch.Tensor) -> torch.Tensor:
     return (w.local_value() * c).sum()
 
 
-def _check_parameter_server() -> None:
+def _check_parameter_server(world_size: int) -> None:
     threads_n, steps = 4, 10
     w1 = rpc.remote("worker1", _make_param, args=(torch.zeros(1000),))
     w2 = rpc.remote("worker2", _make_param, args=(torch.zeros(10),))
@@ -434,7 +535,7 @@ def _check_parameter_server() -> None:
         assert torch.equal(value, torch.full_like(value, expected)), value[:3]
 
 
-def _check_bad_input() -> None:
+def _check_bad_input(world_size: int) -> None:
     model = Model(seed=60)
     with pytest.raises(ValueError, match="params_rref is empty"):
         DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
@@ -482,7 +583,7 @@ def _check_bad_input() -> None:
         (
             lambda: DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, timeout=True),
             ValueError,
-            r"timeout must be a positive number of seconds, got True",
+            r"timeout must be a positive number of seconds or None, got True",
         ),
         (
             lambda: opt.load_state_dict(
@@ -509,45 +610,61 @@ def _check_bad_input() -> None:
             call()
 
 
-def _world(rank: int, world_size: int, checks: list[str]) -> None:
-    if rank != 0:
-        return
+def _check_torchscript_unavailable(world_size: int) -> None:
+    """A user's functional class under "auto" steps eagerly where TorchScript is deprecated; where
+    torch.jit.script raises (as torch 2.14 will), "scripted" is refused before anything is sent."""
+    model = Model(seed=90)
+    kwargs = {"lr": 0.1, "momentum": 0.9, "nu": 0.7}
+    opt = DistributedOptimizer(MyQHM, model.rrefs, **kwargs)
+    expected = "scripted" if torchscript_status() == (True, None) else "eager"
+    assert {m for m, _, _ in opt.describe().values()} == {expected}, opt.describe()
+    ref = QHM(model.local, **kwargs)
+    for x in _inputs(3, seed=91):
+        _dist_step(model, opt, x)
+        _local_step(model, ref, x)
+    model.assert_matches_local(what="user-registered QHM under mode='auto'")
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("TorchScript has been removed")
+
+    original = torch.jit.script
+    torch.jit.script = refuse
+    torchscript_status.cache_clear()
+    try:
+        message = rf"mode='scripted'.*torch {re.escape(torch.__version__)}.*mode='eager'"
+        with pytest.raises(RuntimeError, match=message):
+            DistributedOptimizer(MyQHM, model.rrefs, mode={"worker1": "scripted"}, **kwargs)
+    finally:
+        torch.jit.script = original
+        torchscript_status.cache_clear()
+
+
+SCENARIOS = [
+    _check_bad_input,
+    _check_equivalence,
+    _check_accumulation,
+    _check_window_checkpoint,
+    _check_kernels,
+    _check_load_resets_accumulation,
+    _check_scaler,
+    _check_clipping,
+    _check_state_dict,
+    _check_lr_scheduler,
+    _check_parameter_server,
+    _check_torchscript_unavailable,
+]
+
+
+@pytest.fixture(scope="module")
+def world() -> Scenarios:
     torch.manual_seed(0)
-    scenarios: dict[str, Callable[[], None]] = {
-        "equivalence": _check_equivalence,
-        "accumulation": _check_accumulation,
-        "scaler": _check_scaler,
-        "clipping": _check_clipping,
-        "state_dict": _check_state_dict,
-        "lr_scheduler": _check_lr_scheduler,
-        "parameter_server": _check_parameter_server,
-        "bad_input": _check_bad_input,
-        "kernels": _check_kernels,
-        "load_resets_accumulation": _check_load_resets_accumulation,
-    }
-    for name in checks:
-        scenarios[name]()
+    return run_scenarios(SCENARIOS, 3, timeout=280)
 
 
-@pytest.mark.timeout(280)
-def test_distributed_optimizer_world_of_3() -> None:
-    run_world(
-        _world,
-        3,
-        [
-            "bad_input",
-            "equivalence",
-            "accumulation",
-            "kernels",
-            "load_resets_accumulation",
-            "scaler",
-            "clipping",
-            "state_dict",
-            "lr_scheduler",
-            "parameter_server",
-        ],
-        timeout=260,
-    )
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [s.__name__ for s in SCENARIOS])
+def test_distributed_optimizer(world: Scenarios, name: str) -> None:
+    world.check(name)
 
 
 def test_requires_rpc_world() -> None:

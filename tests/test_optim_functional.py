@@ -7,7 +7,11 @@ is ``None``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
+import re
+import warnings
 from typing import Any
 
 import pytest
@@ -29,6 +33,7 @@ from metadist.optim import (
     register_functional_optimizer,
     script_functional_optimizer,
 )
+from metadist.optim import scripting as _scripting
 
 STEPS = 20
 SHAPES = [(3, 4), (5,), (2, 2, 2), (1,)]
@@ -217,9 +222,9 @@ def test_owner_kernel_choice_is_overridable() -> None:
     """
     small = [torch.zeros(8), torch.zeros(8)]  # CPU floats, mean size small: fused and foreach fit
 
-    def build(cls: type, fcls: type, **kwargs: Any) -> _local._LocalOptimizer:
+    def build(cls: type, fcls: type, mode: str = "auto", **kwargs: Any) -> _local.LocalOptimizer:
         params = [t.clone() for t in small]
-        return _local._LocalOptimizer(cls, fcls, params, kwargs, "auto", 1, True, 10.0)
+        return _local.LocalOptimizer(_local.Spec(cls, fcls, kwargs, mode, 1, True, 10.0), params)
 
     adam = {"lr": 0.1}
     qhm = {"lr": 0.1, "momentum": 0.9, "nu": 0.7}
@@ -244,7 +249,7 @@ def test_owner_kernel_choice_is_overridable() -> None:
         local = build(cls, fcls, **kwargs)
         assert local.describe() == ("eager", expected, 2), (cls.__name__, kwargs)
         # The functional optimizer really runs that kernel (not just reports it).
-        functional = local._functional
+        functional = local.optim
         assert bool(getattr(functional, "fused", False)) == (expected == "fused"), kwargs
         assert bool(functional.foreach) == (expected == "foreach"), kwargs
     # The per-tensor loop gives torch.optim's result (explicit False on both flags).
@@ -264,16 +269,7 @@ def test_owner_kernel_choice_is_overridable() -> None:
     with pytest.raises(ValueError, match="fused=True and foreach=True"):
         build(torch.optim.Adam, FunctionalAdam, lr=0.1, foreach=True, fused=True)
     with pytest.raises(ValueError, match="cannot run under TorchScript"):
-        _local._LocalOptimizer(
-            torch.optim.Adam,
-            FunctionalAdam,
-            [torch.zeros(1)],
-            {"fused": True},
-            "scripted",
-            1,
-            True,
-            10.0,
-        )
+        build(torch.optim.Adam, FunctionalAdam, "scripted", fused=True)
 
 
 def test_gradients_are_not_modified() -> None:
@@ -358,3 +354,122 @@ def test_import_does_not_script() -> None:
         "assert not calls, calls\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class _UserSGD(torch.optim.SGD):
+    """A user's optimizer class whose functional twin takes no foreach/fused."""
+
+
+class _FunctionalUserSGD:
+    def __init__(self, params: list[torch.Tensor], lr: float) -> None:
+        self.defaults = {"lr": lr}
+        self.params = params
+        self.state = torch.jit.annotate(dict[torch.Tensor, dict[str, torch.Tensor]], {})
+
+    def step(self, gradients: list[torch.Tensor | None]) -> None:
+        for p, g in zip(self.params, gradients):  # noqa: B905 (TorchScript)
+            if g is not None:
+                p.sub_(g * self.defaults["lr"])
+
+
+def test_torchscript_removed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where torch.jit.script raises (as torch 2.14 will): "auto" steps eagerly with one log
+    line, "scripted" and script_functional_optimizer fail naming the version and the way out."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("TorchScript has been removed")
+
+    monkeypatch.setattr(torch.jit, "script", refuse)
+    _scripting.torchscript_status.cache_clear()
+    _local._log_eager_fallback.cache_clear()
+    try:
+        assert _scripting.torchscript_status()[0] is False
+
+        def build(mode: str) -> _local.LocalOptimizer:
+            spec = _local.Spec(_UserSGD, _FunctionalUserSGD, {"lr": 0.5}, mode, 1, True, 10.0)
+            return _local.LocalOptimizer(spec, [torch.ones(2)])
+
+        with caplog.at_level(logging.INFO, logger="metadist"):
+            local = build("auto")
+            build("auto")
+        assert local.describe() == ("eager", "single-tensor", 1)
+        local._apply([torch.ones(2)])
+        assert torch.equal(local.params[0], torch.full((2,), 0.5))
+        lines = [r.getMessage() for r in caplog.records if r.name == "metadist"]
+        assert len(lines) == 1, lines
+        assert re.search(r"TorchScript has been removed.*eagerly", lines[0]), lines
+        version = re.escape(torch.__version__)
+        with pytest.raises(RuntimeError, match=rf"torch {version}.*mode='eager'"):
+            build("scripted")
+        with pytest.raises(RuntimeError, match=rf"torch {version}.*eagerly"):
+            script_functional_optimizer(FunctionalSGD([torch.ones(1)], lr=0.1))
+    finally:
+        _scripting.torchscript_status.cache_clear()
+        _local._log_eager_fallback.cache_clear()
+
+
+def test_torchscript_deprecated_auto_is_eager(caplog: pytest.LogCaptureFixture) -> None:
+    """This torch warns that TorchScript is deprecated: "auto" does not pick it, "scripted" does
+    (silently: the warning is filtered inside metadist's own call only)."""
+    works, problem = _scripting.torchscript_status()
+    if problem is None:
+        pytest.skip(f"torch {torch.__version__} does not deprecate TorchScript")
+    assert works
+    spec = _local.Spec(_UserSGD, _FunctionalUserSGD, {"lr": 0.5}, "auto", 1, True, 10.0)
+    assert _local.LocalOptimizer(spec, [torch.ones(2)]).mode == "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scripted = _local.LocalOptimizer(
+            dataclasses.replace(spec, mode="scripted"), [torch.ones(2)]
+        )
+    assert scripted.mode == "scripted"
+    scripted._apply([torch.ones(2)])
+    assert torch.equal(scripted.params[0], torch.full((2,), 0.5))
+
+
+@pytest.mark.parametrize(
+    ("torch_class", "functional_class", "kwargs"),
+    [
+        (torch.optim.Adam, FunctionalAdam, {"lr": 0.01, "amsgrad": True}),
+        (torch.optim.AdamW, FunctionalAdamW, {"lr": 0.01}),
+    ],
+)
+def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[str, Any]) -> None:
+    """Fused Adam over many small parameters steps them as one flat buffer: same results and
+    state as torch.optim, a per-tensor fallback for partial steps, and a fresh start on load."""
+    gen = torch.Generator().manual_seed(5)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    ref_params = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = torch_class(ref_params, fused=True, **kwargs)
+    params = [t.clone() for t in init]
+    optim = functional_class(params, fused=True, **kwargs)
+    plan = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(12)]
+    plan[6][1] = plan[6][3] = None  # one partial step, taken per tensor
+    flat = []
+    for grads in plan:
+        for p, g in zip(ref_params, grads, strict=True):
+            p.grad = g
+        ref.step()
+        optim.step(list(grads))
+        flat.append(optim._flat is not None)
+    # The first step creates the state; a partial step drops the flat buffers, and as the
+    # parameters' step counts then differ, the rest goes per tensor.
+    assert flat == [False] + [True] * 5 + [False] * 6, flat
+    for mine, theirs in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
+    for p, ref_p in zip(params, ref_params, strict=True):
+        assert set(optim.state.get(p, {})) == set(ref.state.get(ref_p, {}))
+        for key, value in ref.state.get(ref_p, {}).items():
+            torch.testing.assert_close(optim.state[p][key], value, atol=1e-6, rtol=1e-6)
+    # Assigning a state (a load) drops the flat buffers; stepping adopts the new state.
+    optim.state = {p: {k: v.clone() for k, v in s.items()} for p, s in optim.state.items()}
+    for entry in optim.state.values():  # equal counts again: the state can be stepped flat
+        entry["step"] = torch.tensor(12.0)
+    assert optim._flat is None
+    full = [torch.ones(s) for s in SHAPES]
+    before = [p.clone() for p in params]
+    optim.step(full)
+    assert optim._flat is not None
+    assert all(not torch.equal(a, b) for a, b in zip(before, params, strict=True))

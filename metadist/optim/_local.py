@@ -1,19 +1,23 @@
-# RPC targets take their arguments positionally (pickled tuples).
-# ruff: noqa: PLR0917
 """The owner's side of the distributed optimizer: one local optimizer per (optimizer, owner).
 
-A :class:`_LocalOptimizer` holds the owner's parameters, the optimizer state for them (state never
-leaves the owner except for ``state_dict``), the gradient-accumulation window and the gradients a
-caller has staged for unscaling or clipping. Every entry point takes the per-instance lock (with a
-timeout), so concurrent ``step`` calls from several trainers are serialized on each owner.
+A :class:`LocalOptimizer` holds the owner's parameters, their optimizer state (which leaves the
+owner only for ``state_dict``), the gradient-accumulation window and the gradients staged by the
+scaler or clipping. Every entry point holds the instance's lock, taken with a timeout, so that
+``step`` calls from several trainers are serialized on each owner. The caller reaches it with
+:func:`call`, naming the instance by an int key.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import inspect
 import itertools
+import logging
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,9 +25,11 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from metadist.optim.scripting import script_functional_optimizer
+from metadist.optim.scripting import script_functional_optimizer, torchscript_status
 
 __all__: list[str] = []
+
+logger = logging.getLogger("metadist")
 
 MODES = ("auto", "eager", "scripted")
 # Tuple-valued torch param-group entries and the names functional classes keep them under.
@@ -36,15 +42,23 @@ TUPLE_KEYS = {
 # on CPU (measured: 100 x 1,000 Adam 1.1 ms vs 1.8 ms; 10 x 100,000 2.6 ms vs 0.9 ms).
 FOREACH_MAX_MEAN_NUMEL = 1 << 15
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Per-step requests name the local optimizer by an int key, not by its RRef: sending an RRef as an
-# argument costs extra fork/ack messages on every call. The RRef (held by the caller) keeps the
-# object alive; this table only holds it weakly.
-_LIVE: weakref.WeakValueDictionary[int, _LocalOptimizer] = weakref.WeakValueDictionary()
+# Requests name the local optimizer by an int key, not by its RRef: an RRef argument costs extra
+# fork/ack messages on every call. The caller's RRef keeps the object alive; this table is weak.
+_LIVE: weakref.WeakValueDictionary[int, LocalOptimizer] = weakref.WeakValueDictionary()
 _keys = itertools.count()
 
 
-def _ctor_params(cls: type) -> set[str]:
-    return set(inspect.signature(cls.__init__).parameters) - {"self", "params"}  # type: ignore[misc]
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Everything an owner needs to build its local optimizer, sent once at construction."""
+
+    optimizer_class: type
+    functional_class: type | None
+    kwargs: dict[str, Any]  # constructor hyperparameters; kernel flags are None when unset
+    mode: str
+    passes_per_step: int
+    average: bool
+    timeout: float
 
 
 def to_functional_hparams(hparams: dict[str, Any]) -> dict[str, float]:
@@ -53,8 +67,7 @@ def to_functional_hparams(hparams: dict[str, Any]) -> dict[str, float]:
     for key, value in hparams.items():
         if key in TUPLE_KEYS:
             first, second = TUPLE_KEYS[key]
-            out[first] = float(value[0])
-            out[second] = float(value[1])
+            out[first], out[second] = float(value[0]), float(value[1])
         else:
             out[key] = float(value)
     return out
@@ -66,7 +79,7 @@ def eager_kernel(
     """Pick ``"fused"``, ``"foreach"`` or ``"single-tensor"`` for an eager functional optimizer.
 
     ``accepted`` holds the functional class's constructor arguments; ``foreach``/``fused`` are the
-    user's flags, ``None`` when unset.
+    user's flags, ``None`` when unset: only unset flags are auto-picked.
     """
     if "fused" in accepted and (
         fused
@@ -90,268 +103,226 @@ def eager_kernel(
     return "single-tensor"
 
 
-class _LocalOptimizer:
+@functools.cache
+def _log_eager_fallback(name: str, problem: str) -> None:
+    # Once per process and class: every owner would otherwise repeat it on every construction.
+    logger.warning("metadist: %s; mode='auto' steps %s eagerly", problem, name)
+
+
+class LocalOptimizer:
     """The optimizer for one owner's share of the parameters."""
 
-    def __init__(
-        self,
-        optimizer_class: type,
-        functional_class: type | None,
-        params: list[Tensor],
-        ctor_kwargs: dict[str, Any],
-        mode: str,
-        passes_per_step: int,
-        average: bool,
-        lock_timeout: float,
-    ) -> None:
+    def __init__(self, spec: Spec, params: list[Tensor]) -> None:
+        self.spec = spec
         self.params = params
-        self.passes_per_step = passes_per_step
-        self.average = average
-        self.lock_timeout = lock_timeout
         self.lock = threading.Lock()
         self.accum: list[Tensor | None] | None = None
         self.staged: dict[int, list[Tensor | None]] = {}
-        self.index = {id(p): i for i, p in enumerate(params)}
-        self._functional: Any = None
-        self._scripted: Any = None
-        self._torch_optim: torch.optim.Optimizer | None = None
+        self.optim: Any  # a functional optimizer, its scripted module, or a torch.optim.Optimizer
+        functional_class = spec.functional_class
         if functional_class is None:
-            if mode == "scripted":
+            if spec.mode == "scripted":
                 raise ValueError(
                     f"mode='scripted' needs a functional optimizer registered for "
-                    f"{optimizer_class.__name__} (see register_functional_optimizer)"
+                    f"{spec.optimizer_class.__name__} (see register_functional_optimizer)"
                 )
-            self._torch_optim = optimizer_class(params, **ctor_kwargs)
-            self.mode = "torch"
-            self.kernel = "torch.optim"
-            self._hparams: dict[str, Any] = {}
+            self.mode, self.kernel = "torch", "torch.optim"
+            self.optim = spec.optimizer_class(params, **spec.kwargs)
             return
-        accepted = _ctor_params(functional_class)
-        kwargs = {k: v for k, v in ctor_kwargs.items() if k in accepted}
-        # None means "unset": only unset flags are auto-picked. An explicit False rules that
-        # kernel out and an explicit True forces it, as the user asked.
+        accepted = set(inspect.signature(functional_class.__init__).parameters) - {"self"}  # type: ignore[misc]
+        kwargs = {k: v for k, v in spec.kwargs.items() if k in accepted and k != "params"}
         foreach: bool | None = kwargs.pop("foreach", None)
         fused: bool | None = kwargs.pop("fused", None)
         if foreach and fused:
             raise ValueError("fused=True and foreach=True cannot be used together; pick one")
-        fast = "foreach" in accepted or "fused" in accepted
+        mode = spec.mode
         if mode == "auto":
-            mode = "eager" if fast else "scripted"
+            mode = "eager" if "foreach" in accepted or "fused" in accepted else "scripted"
+            problem = torchscript_status()[1] if mode == "scripted" else None
+            if problem is not None:
+                _log_eager_fallback(functional_class.__name__, problem)
+                mode = "eager"
         if mode == "scripted" and (foreach or fused):
             raise ValueError(
                 "foreach=True / fused=True cannot run under TorchScript; use mode='eager' "
                 "for these owners or leave foreach/fused unset"
             )
-        kernel = "single-tensor"
-        if mode == "eager":
-            kernel = eager_kernel(accepted, params, foreach, fused)
-            if kernel != "single-tensor":
-                kwargs[kernel] = True
         self.mode = mode
-        self.kernel = kernel
+        self.kernel = "single-tensor"
+        if mode == "eager":
+            self.kernel = eager_kernel(accepted, params, foreach, fused)
+            if self.kernel != "single-tensor":
+                kwargs[self.kernel] = True
         functional = functional_class(params, **kwargs)
-        if mode == "scripted":
-            self._scripted = script_functional_optimizer(functional)
-        else:
-            self._functional = functional
-        self._hparams = {}
+        self.optim = script_functional_optimizer(functional) if mode == "scripted" else functional
 
-    # -- helpers (called with the lock held) ------------------------------------------------
+    # -- helpers (called with the lock held) ---------------------------------------------------
 
-    def _acquire(self) -> None:
-        if not self.lock.acquire(timeout=self.lock_timeout):
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        timeout = self.spec.timeout
+        if not self.lock.acquire(timeout=timeout if timeout > 0 else -1):
             raise TimeoutError(
-                f"timed out after {self.lock_timeout}s waiting for this owner's optimizer lock "
+                f"timed out after {self.spec.timeout}s waiting for this owner's optimizer lock "
                 f"on {rpc.get_worker_info().name}"
             )
+        try:
+            yield
+        finally:
+            self.lock.release()
 
-    def _context_grads(self, context_id: int) -> list[Tensor | None]:
+    def _gradients(self, context_id: int, apply: bool, pop: bool) -> list[Tensor | None]:
+        """The gradients a step of ``context_id`` uses: staged ones, else the context's own
+        (with the accumulated window added and averaged when this step applies)."""
+        staged = self.staged.pop(context_id, None) if pop else self.staged.get(context_id)
+        if staged is not None:
+            return staged
         try:
             found = dist_autograd.get_gradients(context_id)  # type: ignore[attr-defined]
         except RuntimeError:
             # This owner took no part in the context's backward pass: nothing to apply here.
-            return [None] * len(self.params)
-        by_id = {id(p): g for p, g in found.items()}
-        return [by_id.get(id(p)) for p in self.params]
-
-    def _combined(self, context_id: int, apply: bool) -> list[Tensor | None]:
-        grads = self._context_grads(context_id)
+            found = {}
+        # Tensors hash by identity, so the context's dict is looked up by parameter directly.
+        grads: list[Tensor | None] = [found.get(p) for p in self.params]
         if not apply:
             return grads
-        accum = self.accum
-        out: list[Tensor | None] = []
-        for i, g in enumerate(grads):
-            total = g
-            if accum is not None and accum[i] is not None:
-                total = accum[i] if g is None else accum[i] + g  # type: ignore[operator]
-            if total is not None and self.average and self.passes_per_step > 1:
-                total = total / self.passes_per_step
-            out.append(total)
-        return out
+        if self.accum is not None:
+            grads = [
+                a if g is None else g if a is None else a + g
+                for a, g in zip(self.accum, grads, strict=True)
+            ]
+        n = self.spec.passes_per_step
+        if self.spec.average and n > 1:
+            grads = [None if g is None else g / n for g in grads]
+        return grads
 
     def _set_hparams(self, hparams: dict[str, Any]) -> None:
-        if hparams == self._hparams:
-            return
-        self._hparams = dict(hparams)
-        if self._torch_optim is not None:
-            for group in self._torch_optim.param_groups:
+        if self.mode == "torch":
+            for group in self.optim.param_groups:
                 group.update(hparams)
             return
         flat = to_functional_hparams(hparams)
-        current = self._get_defaults()
+        current = self.optim.get_defaults() if self.mode == "scripted" else self.optim.defaults
         merged = {k: flat.get(k, v) for k, v in current.items()}
-        if merged != current:
-            if self._scripted is not None:
-                self._scripted.set_defaults(merged)
-            else:
-                self._functional.defaults = merged
-
-    def _get_defaults(self) -> dict[str, float]:
-        if self._scripted is not None:
-            return dict(self._scripted.get_defaults())
-        return dict(self._functional.defaults)
+        if self.mode == "scripted":
+            self.optim.set_defaults(merged)
+        else:
+            self.optim.defaults = merged
 
     def _apply(self, grads: list[Tensor | None]) -> None:
-        if self._scripted is not None:
-            self._scripted.step(grads)
-        elif self._functional is not None:
-            self._functional.step(grads)
-        else:
-            assert self._torch_optim is not None
-            # Set .grad for exactly the parameters with a gradient in this step and clear the
-            # rest, so torch.optim never re-applies a stale .grad from an earlier context.
-            for p, g in zip(self.params, grads, strict=True):
-                p.grad = g
-            try:
-                self._torch_optim.step()
-            finally:
-                for p in self.params:
-                    p.grad = None
+        if self.mode != "torch":
+            self.optim.step(grads)
+            return
+        # Set .grad for exactly the parameters with a gradient in this step and clear it after,
+        # so that torch.optim never re-applies a stale .grad from an earlier context.
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        try:
+            with torch.no_grad():
+                self.optim.step()
+        finally:
+            for p in self.params:
+                p.grad = None
 
-    # -- RPC entry points ------------------------------------------------------------------
+    # -- entry points (reached through call()) ------------------------------------------------
 
     def step(
-        self,
-        context_id: int,
-        apply: bool,
-        hparams: dict[str, Any],
-        grad_coef: float,
-        skip: bool,
+        self, context_id: int, apply: bool, coef: float, hparams: dict[str, Any] | None
     ) -> None:
-        self._acquire()
-        try:
-            staged = self.staged.pop(context_id, None)
-            if skip:
-                # Found inf/NaN somewhere: every owner drops this window's gradients.
+        """Accumulate (``apply`` false) or apply the gradients of ``context_id`` times ``coef``;
+        ``hparams`` (torch param-group names) is sent only when it changed."""
+        with self._locked():
+            if hparams is not None:
+                self._set_hparams(hparams)
+            grads = self._gradients(context_id, apply, pop=True)
+            if coef != 1.0:
+                grads = [None if g is None else g * coef for g in grads]
+            if apply:
                 self.accum = None
                 self.staged.clear()
+                self._apply(grads)
                 return
-            if not apply:
-                grads = staged if staged is not None else self._context_grads(context_id)
-                if self.accum is None:
-                    self.accum = [None] * len(self.params)
-                for i, g in enumerate(grads):
-                    if g is None:
-                        continue
-                    scaled = g * grad_coef if grad_coef != 1.0 else g
-                    acc = self.accum[i]
-                    self.accum[i] = scaled.detach().clone() if acc is None else acc.add_(scaled)
-                return
-            grads = staged if staged is not None else self._combined(context_id, True)
-            if grad_coef != 1.0:
-                grads = [None if g is None else g * grad_coef for g in grads]
+            accum: list[Tensor | None] = self.accum or [None] * len(self.params)
+            for i, (a, g) in enumerate(zip(accum, grads, strict=True)):
+                if g is not None:
+                    accum[i] = g.detach().clone() if a is None else a.add_(g)
+            self.accum = accum
+
+    def skip(self) -> None:
+        """Drop the window's gradients: some owner found an inf/NaN."""
+        with self._locked():
             self.accum = None
             self.staged.clear()
-            self._set_hparams(hparams)
-            with torch.no_grad():
-                self._apply(grads)
-        finally:
-            self.lock.release()
 
     def stage(
-        self,
-        context_id: int,
-        apply: bool,
-        inv_scale: float | None,
-        norm_type: float | None,
+        self, context_id: int, apply: bool, inv_scale: float | None, norm_type: float | None
     ) -> tuple[bool, Tensor | None]:
-        self._acquire()
-        try:
-            grads = self.staged.get(context_id)
-            if grads is None:
-                grads = self._combined(context_id, apply)
+        """Unscale (by ``inv_scale``) and keep the gradients the next step of ``context_id``
+        uses; return whether any is inf/NaN and their norm of order ``norm_type``."""
+        with self._locked():
+            grads = self._gradients(context_id, apply, pop=False)
             found_inf = False
             if inv_scale is not None:
                 grads = [None if g is None else g * inv_scale for g in grads]
                 found_inf = any(not bool(torch.isfinite(g).all()) for g in grads if g is not None)
             self.staged[context_id] = grads
-            norm: Tensor | None = None
-            if norm_type is not None:
-                present = [g for g in grads if g is not None]
-                if present:
-                    norm = torch.linalg.vector_norm(
-                        torch.stack([torch.linalg.vector_norm(g, norm_type) for g in present]),
-                        norm_type,
-                    )
-                else:
-                    norm = torch.zeros(())
-            return found_inf, norm
-        finally:
-            self.lock.release()
+            if norm_type is None:
+                return found_inf, None
+            present = [g for g in grads if g is not None]
+            if not present:
+                return found_inf, torch.zeros(())
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in present])
+            return found_inf, torch.linalg.vector_norm(norms, norm_type)
 
-    def state(self) -> list[dict[str, Tensor] | None]:
-        self._acquire()
-        try:
-            if self._torch_optim is not None:
-                live: Any = self._torch_optim.state
-            elif self._scripted is not None:
-                live = self._scripted.get_state()
-            else:
-                live = self._functional.state
+    def state(self) -> tuple[list[dict[str, Any] | None], list[Tensor | None] | None]:
+        """Copies of the optimizer state (one entry per parameter) and of the open window."""
+        with self._locked():
+            live = self.optim.get_state() if self.mode == "scripted" else self.optim.state
             by_id = {id(p): s for p, s in live.items()}
-            out: list[dict[str, Tensor] | None] = []
+            states: list[dict[str, Any] | None] = []
             for p in self.params:
                 s = by_id.get(id(p))
-                out.append(None if not s else {k: _copy(v) for k, v in s.items()})
-            return out
-        finally:
-            self.lock.release()
+                states.append({k: _copy(v) for k, v in s.items()} if s else None)
+            accum = None if self.accum is None else [_copy(a) for a in self.accum]
+            return states, accum
 
-    def load_state(self, states: list[dict[str, Any] | None]) -> None:
-        self._acquire()
-        try:
-            if len(states) != len(self.params):
-                raise ValueError(
-                    f"state for {len(states)} parameters sent to an owner of {len(self.params)}"
-                )
+    def load_state(
+        self, states: list[dict[str, Any] | None], accum: list[Tensor | None] | None
+    ) -> None:
+        """Replace the optimizer state and the accumulation window (``None``: a fresh one)."""
+        with self._locked():
+            for what, given in (("state", states), ("accumulated gradients", accum)):
+                if given is not None and len(given) != len(self.params):
+                    raise ValueError(
+                        f"{what} for {len(given)} parameters sent to an owner of {len(self.params)}"
+                    )
             # Convert everything first: a bad state must leave this owner as it was.
-            if self._torch_optim is not None:
-                copies = {
-                    p: {k: _copy(v) for k, v in s.items()}
-                    for p, s in zip(self.params, states, strict=True)
-                    if s
-                }
-            else:
-                new: dict[Tensor, dict[str, Tensor]] = {}
-                for p, s in zip(self.params, states, strict=True):
-                    if s:
-                        new[p] = {k: _as_state_tensor(v, p) for k, v in s.items()}
-            # A load starts a fresh accumulation window on every path (the caller resets its
-            # pass count), so gradients accumulated before it are never applied after it.
-            self.accum = None
+            tensors_only = self.mode != "torch"
+            new = {
+                p: {k: _as_state(v, p, tensors_only) for k, v in s.items()}
+                for p, s in zip(self.params, states, strict=True)
+                if s
+            }
+            window = None
+            if accum is not None:
+                window = [
+                    None if a is None else a.detach().to(p.device, p.dtype, copy=True)
+                    for p, a in zip(self.params, accum, strict=True)
+                ]
+            self.accum = (
+                window if window is not None and any(a is not None for a in window) else None
+            )
             self.staged.clear()
-            if self._torch_optim is not None:
-                self._torch_optim.state.clear()
-                self._torch_optim.state.update(copies)
-                return
-            if self._scripted is not None:
-                self._scripted.set_state(new)
+            if self.mode == "scripted":
+                self.optim.set_state(new)
+            elif self.mode == "torch":
+                self.optim.state.clear()
+                self.optim.state.update(new)
             else:
-                self._functional.state = new
-        finally:
-            self.lock.release()
+                self.optim.state = new
 
     def describe(self) -> tuple[str, str, int]:
+        """``(mode, kernel, number of parameters)``."""
         return self.mode, self.kernel, len(self.params)
 
 
@@ -359,65 +330,20 @@ def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else value
 
 
-def _as_state_tensor(value: Any, param: Tensor) -> Tensor:
-    if isinstance(value, Tensor):
-        # Scalar state ("step") stays where torch keeps it; per-element state follows the param.
-        if value.dim() == 0:
-            return value.detach().clone()
-        return value.detach().to(device=param.device, dtype=param.dtype, copy=True)
-    return torch.tensor(value)
+def _as_state(value: Any, param: Tensor, tensors_only: bool) -> Any:
+    if not isinstance(value, Tensor):
+        return torch.tensor(value) if tensors_only else value
+    # Scalar state ("step") stays where torch keeps it; per-element state follows the param.
+    if value.dim() == 0:
+        return value.detach().clone()
+    return value.detach().to(device=param.device, dtype=param.dtype, copy=True)
 
 
-# -- module-level functions the caller invokes over RPC (picklable by reference) ------------
+# -- module-level functions the caller invokes over RPC (pickled by reference) ----------------
 
 
-def new_local_optimizer(
-    optimizer_class: type,
-    functional_class: type | None,
-    param_rrefs: list[rpc.RRef[Tensor]],
-    ctor_kwargs: dict[str, Any],
-    mode: str,
-    passes_per_step: int,
-    average: bool,
-    lock_timeout: float,
-) -> tuple[rpc.RRef[_LocalOptimizer], int]:
-    """Create a local optimizer on this owner; return an RRef to it and its lookup key."""
-    local = make_local_optimizer(
-        optimizer_class,
-        functional_class,
-        param_rrefs,
-        ctor_kwargs,
-        mode,
-        passes_per_step,
-        average,
-        lock_timeout,
-    )
-    key = next(_keys)
-    _LIVE[key] = local
-    return rpc.RRef(local), key
-
-
-def _lookup(key: int) -> _LocalOptimizer:
-    try:
-        return _LIVE[key]
-    except KeyError:
-        raise RuntimeError(
-            f"optimizer {key} no longer exists on {rpc.get_worker_info().name} "
-            "(its DistributedOptimizer was garbage-collected)"
-        ) from None
-
-
-def make_local_optimizer(
-    optimizer_class: type,
-    functional_class: type | None,
-    param_rrefs: list[rpc.RRef[Tensor]],
-    ctor_kwargs: dict[str, Any],
-    mode: str,
-    passes_per_step: int,
-    average: bool,
-    lock_timeout: float,
-) -> _LocalOptimizer:
-    """Resolve the RRefs to local tensors, check them and build the local optimizer."""
+def build(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> LocalOptimizer:
+    """Resolve the RRefs to this owner's tensors, check them and build the local optimizer."""
     params: list[Tensor] = []
     seen: set[int] = set()
     for i, rref in enumerate(param_rrefs):
@@ -434,51 +360,24 @@ def make_local_optimizer(
             )
         seen.add(id(value))
         params.append(value)
-    return _LocalOptimizer(
-        optimizer_class,
-        functional_class,
-        params,
-        ctor_kwargs,
-        mode,
-        passes_per_step,
-        average,
-        lock_timeout,
-    )
+    return LocalOptimizer(spec, params)
 
 
-def local_step(
-    key: int,
-    context_id: int,
-    apply: bool,
-    hparams: dict[str, Any],
-    grad_coef: float,
-    skip: bool,
-) -> None:
-    """Step this owner's local optimizer (RPC target)."""
-    _lookup(key).step(context_id, apply, hparams, grad_coef, skip)
+def create(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> tuple[rpc.RRef[LocalOptimizer], int]:
+    """Build a local optimizer on this owner (RPC target); return an RRef to it and its key."""
+    local = build(spec, param_rrefs)
+    key = next(_keys)
+    _LIVE[key] = local
+    return rpc.RRef(local), key
 
 
-def local_stage(
-    key: int,
-    context_id: int,
-    apply: bool,
-    inv_scale: float | None,
-    norm_type: float | None,
-) -> tuple[bool, Tensor | None]:
-    """Stage (unscale / measure) this owner's gradients of a context (RPC target)."""
-    return _lookup(key).stage(context_id, apply, inv_scale, norm_type)
-
-
-def local_state(key: int) -> list[dict[str, Tensor] | None]:
-    """Return copies of this owner's optimizer state, one entry per parameter (RPC target)."""
-    return _lookup(key).state()
-
-
-def local_load_state(key: int, states: list[dict[str, Any] | None]) -> None:
-    """Replace this owner's optimizer state (RPC target)."""
-    _lookup(key).load_state(states)
-
-
-def local_describe(key: int) -> tuple[str, str, int]:
-    """Return (mode, kernel, number of params) of this owner's optimizer (RPC target)."""
-    return _lookup(key).describe()
+def call(key: int, method: str, *args: Any) -> Any:
+    """Run ``method(*args)`` of the local optimizer ``key`` on this owner (RPC target)."""
+    try:
+        local = _LIVE[key]
+    except KeyError:
+        raise RuntimeError(
+            f"optimizer {key} no longer exists on {rpc.get_worker_info().name} "
+            "(its DistributedOptimizer was garbage-collected)"
+        ) from None
+    return getattr(local, method)(*args)

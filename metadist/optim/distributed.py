@@ -9,6 +9,7 @@ scaler (:class:`metadist.optim.DistributedGradScaler`) and global-norm clipping
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import threading
@@ -24,16 +25,17 @@ from torch.futures import Future
 from metadist.autograd import check_context
 from metadist.optim import _local
 from metadist.optim.registry import get_functional_optimizer
+from metadist.optim.scripting import torchscript_status
 from metadist.world import _wait_done, get_worker_name, get_worker_names, require_rpc
 
-__all__ = ["DEFAULT_TIMEOUT", "DistributedOptimizer", "clip_grad_norm_"]
+__all__ = ["DistributedOptimizer", "clip_grad_norm_"]
 
-#: Seconds any single optimizer request (and an owner's lock wait) may take.
-DEFAULT_TIMEOUT = 60.0
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 _KERNEL_FLAGS = ("foreach", "fused")
 # rpc.remote returns the C++ PyRRef; rpc.RRef is the typing-friendly Python subclass.
 _RREF_TYPES = (rpc.RRef, rpc.PyRRef)  # type: ignore[attr-defined]
+# The state_dict key of an open accumulation window (absent at a window's boundary).
+_WINDOW = "accumulation"
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -47,19 +49,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     concurrent ``step`` calls from several trainer threads are serialized per owner.
 
     Each owner runs the functional twin of ``optimizer_class`` (see
-    :func:`register_functional_optimizer`) in one of two modes:
+    :func:`register_functional_optimizer`) in one of these modes:
 
     * ``"eager"``: plain Python calling torch's fastest CPU kernels: ``fused`` where torch has one
       (SGD, Adam, AdamW, Adagrad on floating-point CPU parameters), otherwise ``foreach``
       (multi-tensor) when the owner holds many small parameters (mean size <= 32,768 elements),
-      otherwise the per-tensor loop. Kernels release the GIL while they run. Only flags left
-      unset (``None``) are picked: ``fused=False`` rules the fused kernel out, ``foreach=False``
-      the multi-tensor one (both ``False``: the per-tensor loop), and ``True`` forces a kernel.
-    * ``"scripted"``: the functional optimizer compiled with ``torch.jit.script`` (on first use,
-      cached per class) and stepped without the GIL, the recipe's route for multithreaded
-      parameter servers. It uses the per-tensor loop and is slower than ``"eager"`` on CPU.
+      otherwise the per-tensor loop. Only flags left unset (``None``) are picked:
+      ``fused=False`` rules the fused kernel out, ``foreach=False`` the multi-tensor one, and
+      ``True`` forces a kernel.
+    * ``"scripted"``: the functional optimizer compiled with ``torch.jit.script`` and stepped
+      without the GIL (the per-tensor loop). Raises where torch can no longer script.
     * ``"auto"`` (default): ``"eager"`` for functional classes that accept ``foreach``/``fused``
-      (all of metadist's), ``"scripted"`` for user-registered ones that do not.
+      (all of metadist's); for user classes that do not, ``"scripted"`` where TorchScript
+      neither warns nor fails, else ``"eager"`` (saying so once in the ``metadist`` log).
 
     Pass ``mode`` as one string for every owner or as a mapping from worker name or rank to
     mode (unlisted owners use ``"auto"``). An ``optimizer_class`` with no functional twin runs as
@@ -68,9 +70,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     The object is a ``torch.optim.Optimizer`` with one param group, so
     ``torch.optim.lr_scheduler`` schedulers drive it: the group's float hyperparameters (``lr``,
-    ``momentum``, ``betas``, ``weight_decay``, ...) are sent with every step and reach every
-    owner. Its ``state`` attribute stays empty: the state lives on the owners; ``state_dict()``
-    gathers it in ``torch.optim`` format.
+    ``momentum``, ``betas``, ``weight_decay``, ...) reach every owner with the next step after
+    they change. Its ``state`` attribute stays empty: the state lives on the owners;
+    ``state_dict()`` gathers it in ``torch.optim`` format.
 
     Args:
         optimizer_class: A ``torch.optim.Optimizer`` subclass (e.g. ``torch.optim.Adam`` or
@@ -82,19 +84,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``step`` call) and update on the last of them.
         average_accumulated: Divide the accumulated gradients by ``backward_passes_per_step``
             (the "larger batch" rule) instead of summing them.
-        timeout: Seconds each request may take (and each owner waits for its lock).
+        timeout: Seconds each request may take (and each owner waits for its lock); ``None``
+            uses the RPC world's timeout (``torch.distributed.rpc.get_rpc_timeout()``).
         **kwargs: Keyword hyperparameters for ``optimizer_class``.
 
     Raises:
-        RuntimeError: If metadist's RPC world is not running.
+        RuntimeError: If the RPC world is not running, or ``mode="scripted"`` is asked for
+            where torch can no longer script.
         TypeError: If ``optimizer_class`` is neither a ``torch.optim.Optimizer`` subclass nor a
             registered functional class, ``params_rref`` holds a non-RRef,
             ``average_accumulated`` is not a bool, or ``foreach``/``fused`` is not a bool or
             ``None``.
         ValueError: On an empty or duplicated ``params_rref``, an unknown owner or ``mode``,
             ``backward_passes_per_step`` not an int ``>= 1``, ``foreach=True`` with
-            ``fused=True``, or hyperparameters ``optimizer_class`` rejects. All checked before
-            any request is sent.
+            ``fused=True``, a bad ``timeout``, or hyperparameters ``optimizer_class`` rejects.
+            All checked before any request is sent.
 
     Example:
         A world of 1 (plain ``python``), where this process owns the parameter; with more
@@ -111,12 +115,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ...     with metadist.autograd.context() as cid:
         ...         metadist.autograd.backward(cid, [w.to_here().sum()])
         ...         opt.step(cid)
-        ...     return w.to_here()
+        ...     return w.to_here(), opt.describe()
         >>> main()
-        tensor([0.5000, 0.5000, 0.5000], requires_grad=True)
-
-        The method examples below assume such an ``opt`` and a context ``cid`` inside a running
-        world, so they are not run as doctests.
+        (tensor([0.5000, 0.5000, 0.5000], requires_grad=True), {'worker0': ('eager', 'fused', 1)})
     """
 
     def __init__(
@@ -127,7 +128,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         mode: str | Mapping[str | int, str] = "auto",
         backward_passes_per_step: int = 1,
         average_accumulated: bool = True,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = None,
         **kwargs: Any,
     ) -> None:
         require_rpc("DistributedOptimizer")
@@ -158,13 +159,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"average_accumulated must be a bool, got {average_accumulated!r} "
                 f"of type {type(average_accumulated).__name__}"
             )
-        if not (
+        if timeout is None:
+            timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
+        elif not (
             isinstance(timeout, int | float)
             and not isinstance(timeout, bool)
             and timeout > 0
             and math.isfinite(timeout)
         ):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            raise ValueError(
+                f"timeout must be a positive number of seconds or None, got {timeout!r}"
+            )
         known = get_worker_names()
         seen: set[int] = set()
         for i, rref in enumerate(params_rref):
@@ -180,13 +185,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"(workers: {', '.join(known)})"
                 )
         modes = _resolve_modes(mode, {r.owner().name for r in params_rref})
-
+        if "scripted" in modes.values():
+            works, problem = torchscript_status()
+            if not works:
+                raise RuntimeError(
+                    f"mode='scripted' needs TorchScript: {problem}. Use mode='eager' (or "
+                    "'auto'), which steps the same functional optimizer without compiling it"
+                )
         if functional_class is optimizer_class:
             group = _functional_group(optimizer_class, args, kwargs)
-            local_class = optimizer_class
         else:
             group = _torch_group(optimizer_class, args, kwargs)
-            local_class = optimizer_class
         for flag in _UNSUPPORTED_FLAGS:
             if group.get(flag):
                 raise ValueError(
@@ -203,7 +212,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("fused=True and foreach=True cannot be used together; pick one")
 
         self.optimizer_class = optimizer_class
-        self.functional_class = functional_class
         self.backward_passes_per_step = backward_passes_per_step
         self.average_accumulated = average_accumulated
         self.timeout = float(timeout)
@@ -216,53 +224,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes = 0
         self._coef: dict[int, float] = {}
         self._caller_lock = threading.Lock()
-
-        me = get_worker_name()
-        per_owner: dict[str, list[int]] = {}
+        # Owners are built with these hyperparameters; a step sends them again only on change.
+        self._sent_hparams: dict[str, Any] | None = self._hparams()
+        self._me = get_worker_name()
+        self._owner_indices: dict[str, list[int]] = {}
         for i, rref in enumerate(self.params_rref):
-            per_owner.setdefault(rref.owner().name, []).append(i)
-        self._owner_indices = per_owner
-        ctor_kwargs = {k: v for k, v in group.items() if k not in ("params",)}
+            self._owner_indices.setdefault(rref.owner().name, []).append(i)
+
+        ctor_kwargs = dict(group)
         if functional_class is not None:
-            # The owners auto-pick only kernel flags that are unset (None). A flag the user did
-            # not pass is unset whatever the class defaults it to (QHM and the functional
-            # classes say False), so an explicit False stays distinguishable from "not given".
+            # Owners auto-pick only kernel flags that are unset (None). A flag the user did not
+            # pass is unset whatever the class defaults it to, so an explicit False stays
+            # distinguishable from "not given".
             passed = _passed_names(optimizer_class, args, kwargs)
             for flag in _KERNEL_FLAGS:
                 if flag in ctor_kwargs and flag not in passed:
                     ctor_kwargs[flag] = None
-        futures: dict[str, Future[Any]] = {}
-        for owner, indices in per_owner.items():
-            if owner == me:
-                continue
-            futures[owner] = rpc.rpc_async(
+        spec = _local.Spec(
+            optimizer_class,
+            functional_class,
+            ctor_kwargs,
+            "auto",
+            backward_passes_per_step,
+            average_accumulated,
+            self.timeout,
+        )
+
+        def rrefs(owner: str) -> list[rpc.RRef[Tensor]]:
+            return [self.params_rref[i] for i in self._owner_indices[owner]]
+
+        futures = {
+            owner: rpc.rpc_async(
                 owner,
-                _local.new_local_optimizer,
-                args=(
-                    local_class,
-                    functional_class,
-                    [self.params_rref[i] for i in indices],
-                    ctor_kwargs,
-                    modes[owner],
-                    backward_passes_per_step,
-                    average_accumulated,
-                    self.timeout,
-                ),
+                _local.create,
+                args=(dataclasses.replace(spec, mode=modes[owner]), rrefs(owner)),
                 timeout=self.timeout,
             )
-        self._local: _local._LocalOptimizer | None = None
-        if me in per_owner:
-            self._local = _local.make_local_optimizer(
-                local_class,
-                functional_class,
-                [self.params_rref[i] for i in per_owner[me]],
-                ctor_kwargs,
-                modes[me],
-                backward_passes_per_step,
-                average_accumulated,
-                self.timeout,
-            )
-        created = _wait_all(futures)
+            for owner in self._owner_indices
+            if owner != self._me
+        }
+        self._local: _local.LocalOptimizer | None = None
+        error: BaseException | None = None
+        if self._me in self._owner_indices:
+            try:
+                self._local = _local.build(
+                    dataclasses.replace(spec, mode=modes[self._me]), rrefs(self._me)
+                )
+            except BaseException as exc:  # still collect the owners' replies
+                error = exc
+        created = _wait_all(futures, error)
         # The RRefs keep the owners' optimizers alive; requests address them by key.
         self._remote_rrefs = {o: rref for o, (rref, _) in created.items()}
         self._remote: dict[str, int] = {o: key for o, (_, key) in created.items()}
@@ -286,7 +296,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             set_to_none: Ignored; kept for ``torch.optim.Optimizer`` compatibility.
 
         Example:
-            >>> opt.zero_grad()  # a no-op; each context starts with no gradients  # doctest: +SKIP
+            ``opt.zero_grad()`` may stay in a training loop written for ``torch.optim``.
         """
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -299,7 +309,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             NotImplementedError: Always.
 
         Example:
-            >>> opt.add_param_group({"params": []})  # raises NotImplementedError  # doctest: +SKIP
+            Create a second ``DistributedOptimizer`` for parameters that need other
+            hyperparameters.
         """
         raise NotImplementedError(
             "DistributedOptimizer has one param group; create a second DistributedOptimizer "
@@ -311,8 +322,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Whether the next ``step`` updates the parameters (last pass of an accumulation window).
 
         Example:
-            >>> if opt.next_step_applies:  # doctest: +SKIP
-            ...     clip_grad_norm_(opt, cid, max_norm=1.0)
+            ``if opt.next_step_applies: clip_grad_norm_(opt, cid, max_norm=1.0)``
         """
         return self._passes + 1 >= self.backward_passes_per_step
 
@@ -324,18 +334,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``"torch"`` and kernel ``"fused"``/``"foreach"``/``"single-tensor"``/``"torch.optim"``.
 
         Example:
-            >>> opt.describe()  # doctest: +SKIP
-            {'worker0': ('eager', 'fused', 2), 'worker1': ('eager', 'fused', 3)}
+            ``opt.describe()`` gives e.g. ``{'worker1': ('eager', 'fused', 2)}``.
         """
-        futures = {
-            o: rpc.rpc_async(o, _local.local_describe, args=(r,), timeout=self.timeout)
-            for o, r in self._remote.items()
-        }
-        out: dict[str, tuple[str, str, int]] = {}
-        if self._local is not None:
-            out[get_worker_name()] = self._local.describe()
-        out.update(_wait_all(futures))
-        return out
+        return self._call_owners("describe")
 
     def step(self, context_id: int) -> None:  # type: ignore[override]
         """Apply the gradients of ``context_id`` on every owner (one request per owner).
@@ -353,23 +354,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             RuntimeError: If a request failed or timed out (with the owner's error).
 
         Example:
-            >>> with dist_autograd.context() as cid:  # doctest: +SKIP
-            ...     dist_autograd.backward(cid, [loss])
-            ...     opt.step(cid)
+            ``dist_autograd.backward(cid, [loss])`` then ``opt.step(cid)``, inside the context.
         """
         check_context(context_id, "DistributedOptimizer")
-        self._acquire_caller()
-        try:
+        hparams = self._hparams()
+        with self._caller():
             self._passes += 1
             apply = self._passes >= self.backward_passes_per_step
-            if apply:
-                self._passes = 0
             coef = self._coef.pop(context_id, 1.0)
             if apply:
+                self._passes = 0
                 self._coef.clear()
-        finally:
-            self._caller_lock.release()
-        self._broadcast_step(context_id, apply, coef, skip=False)
+            changed = None if hparams == self._sent_hparams else hparams
+            self._sent_hparams = hparams
+        try:
+            self._call_owners("step", context_id, apply, coef, changed)
+        except BaseException:
+            self._sent_hparams = None  # some owner may have missed them: send on the next step
+            raise
 
     def skip(self, context_id: int) -> None:
         """Drop the gradients of ``context_id`` and of the current accumulation window everywhere.
@@ -383,51 +385,53 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ValueError: If ``context_id`` is not a live context of this process.
 
         Example:
-            >>> opt.skip(cid)  # no owner updates; the window restarts  # doctest: +SKIP
+            ``opt.skip(cid)``: no owner updates, and the window starts again.
         """
         check_context(context_id, "DistributedOptimizer")
-        self._acquire_caller()
-        try:
+        with self._caller():
             self._passes = 0
             self._coef.clear()
-        finally:
-            self._caller_lock.release()
-        self._broadcast_step(context_id, False, 1.0, skip=True)
+        self._call_owners("skip")
 
     def state_dict(self) -> dict[str, Any]:
         """Gather the owners' state into one ``torch.optim``-format state dict on the caller.
 
-        Parameter ``i`` of the dict is ``params_rref[i]``. Loading the result back with
-        :meth:`load_state_dict` resumes bit-exactly on CPU.
+        Parameter ``i`` of the dict is ``params_rref[i]``. Taken in the middle of an accumulation
+        window, the dict also holds the window (``"accumulation"``: the passes so far and the
+        gradients accumulated on the owners), so that :meth:`load_state_dict` resumes it.
 
         Returns:
-            ``{"state": {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``.
+            ``{"state": {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``
+            (plus ``"accumulation": {"passes": k, "gradients": {index: tensor}}`` mid-window).
 
         Example:
-            >>> torch.save(opt.state_dict(), "opt.pt")  # doctest: +SKIP
+            ``torch.save(opt.state_dict(), "opt.pt")``
         """
-        futures = {
-            o: rpc.rpc_async(o, _local.local_state, args=(r,), timeout=self.timeout)
-            for o, r in self._remote.items()
-        }
-        per_owner: dict[str, list[dict[str, Tensor] | None]] = {}
-        if self._local is not None:
-            per_owner[get_worker_name()] = self._local.state()
-        per_owner.update(_wait_all(futures))
+        with self._caller():
+            passes = self._passes
+            per_owner = self._call_owners("state")
         state: dict[int, dict[str, Any]] = {}
+        window: dict[int, Tensor] = {}
         for owner, indices in self._owner_indices.items():
-            for i, entry in zip(indices, per_owner[owner], strict=True):
-                if entry is not None:
-                    state[i] = entry
+            states, accum = per_owner[owner]
+            for k, i in enumerate(indices):
+                if states[k] is not None:
+                    state[i] = states[k]
+                if accum is not None and accum[k] is not None:
+                    window[i] = accum[k]
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(range(len(self.params_rref)))
-        return {"state": dict(sorted(state.items())), "param_groups": [group]}
+        out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": [group]}
+        if passes:
+            out[_WINDOW] = {"passes": passes, "gradients": dict(sorted(window.items()))}
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Send the state of a :meth:`state_dict` result back to the owners.
 
-        Also restores the param group's hyperparameters (``lr``, ``initial_lr``, ...) and starts
-        a new accumulation window: gradients accumulated before the load are dropped.
+        Also restores the param group's hyperparameters (``lr``, ``initial_lr``, ...) and the
+        accumulation window: the one saved mid-window, else a fresh one (gradients accumulated
+        before the load are dropped).
 
         Args:
             state_dict: A dict from :meth:`state_dict` (or a ``torch.optim`` state dict of the
@@ -436,11 +440,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: If the dict is not in ``torch.optim`` format (``"state"`` a dict of
                 dicts, ``"param_groups"`` a list of dicts), does not have one param group over
-                exactly ``len(params_rref)`` parameters, or a state index is out of range.
-                Checked before any request.
+                exactly ``len(params_rref)`` parameters, a state index is out of range, or its
+                accumulation window does not fit ``backward_passes_per_step``. Checked before
+                any request.
 
         Example:
-            >>> opt.load_state_dict(torch.load("opt.pt"))  # doctest: +SKIP
+            ``opt.load_state_dict(torch.load("opt.pt"))``
         """
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError(
@@ -479,24 +484,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"{type(value).__name__}"
                 )
             states[order[key]] = value
-        futures: dict[str, Future[Any]] = {}
-        for owner, indices in self._owner_indices.items():
-            chunk = [states.get(i) for i in indices]
-            if owner in self._remote:
-                futures[owner] = rpc.rpc_async(
-                    owner,
-                    _local.local_load_state,
-                    args=(self._remote[owner], chunk),
-                    timeout=self.timeout,
-                )
-            else:
-                assert self._local is not None
-                self._local.load_state(chunk)
-        _wait_all(futures)
-        group = {k: v for k, v in groups[0].items() if k != "params"}
-        self.param_groups[0].update(group)
-        self._passes = 0
-        self._coef.clear()
+        passes, window = self._check_window(state_dict.get(_WINDOW), order)
+        chunks = {
+            owner: (
+                [states.get(i) for i in indices],
+                None if window is None else [window.get(i) for i in indices],
+            )
+            for owner, indices in self._owner_indices.items()
+        }
+        with self._caller():
+            self._call_owners("load_state", per_owner=chunks)
+            self.param_groups[0].update({k: v for k, v in groups[0].items() if k != "params"})
+            self._passes = passes
+            self._coef.clear()
+            self._sent_hparams = None  # the owners get the loaded hyperparameters on next step
 
     def clip_grad_norm_(
         self,
@@ -519,17 +520,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             The total norm before clipping (0-dim float tensor).
 
         Example:
-            >>> total = opt.clip_grad_norm_(cid, max_norm=1.0)  # doctest: +SKIP
+            ``total = opt.clip_grad_norm_(cid, max_norm=1.0)`` before ``opt.step(cid)``.
         """
         return clip_grad_norm_(self, context_id, max_norm, norm_type, error_if_nonfinite)
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _acquire_caller(self) -> None:
-        if not self._caller_lock.acquire(timeout=self.timeout):
-            raise TimeoutError(f"timed out after {self.timeout}s waiting for the optimizer lock")
+    def _caller(self) -> _Held:
+        return _Held(self._caller_lock, self.timeout)
 
     def _hparams(self) -> dict[str, Any]:
+        """The param group's float hyperparameters, the ones owners follow step by step."""
         out: dict[str, Any] = {}
         for key, value in self.param_groups[0].items():
             if key in ("params", "initial_lr") or isinstance(value, bool) or value is None:
@@ -542,47 +543,92 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 out[key] = tuple(float(v) for v in value)
         return out
 
-    def _broadcast_step(self, context_id: int, apply: bool, coef: float, skip: bool) -> None:
-        hparams = self._hparams()
+    def _check_window(
+        self, window: Any, order: dict[Any, int]
+    ) -> tuple[int, dict[int, Tensor] | None]:
+        if window is None:
+            return 0, None
+        passes = window.get("passes") if isinstance(window, Mapping) else None
+        grads = window.get("gradients") if isinstance(window, Mapping) else None
+        if (
+            not isinstance(passes, int)
+            or not 0 < passes < self.backward_passes_per_step
+            or not isinstance(grads, Mapping)
+            or not all(k in order and isinstance(g, Tensor) for k, g in grads.items())
+        ):
+            raise ValueError(
+                f"state_dict['{_WINDOW}'] must be {{'passes': k, 'gradients': {{index: tensor}}}}"
+                f" with 0 < k < backward_passes_per_step ({self.backward_passes_per_step}), got "
+                f"{window!r:.200}"
+            )
+        return passes, {order[k]: g for k, g in grads.items()}
+
+    def stage_gradients(
+        self, context_id: int, inv_scale: float | None = None, norm_type: float | None = None
+    ) -> list[tuple[bool, Tensor | None]]:
+        """Prepare, on every owner, the gradients the next ``step(context_id)`` applies.
+
+        The building block of :class:`DistributedGradScaler` and :func:`clip_grad_norm_` (one
+        request per owner): each owner takes the gradients that step will use (with the
+        accumulation window when it applies), multiplies them by ``inv_scale`` and reports
+        inf/NaN, measures their norm, and keeps them for the step.
+
+        Args:
+            context_id: A distributed-autograd context id created in this process.
+            inv_scale: Factor to unscale the gradients by, or ``None`` to leave them.
+            norm_type: Order of the norm to report, or ``None`` for no norm.
+
+        Returns:
+            Per owner: ``(found inf/NaN, norm or None)``.
+
+        Example:
+            ``any(inf for inf, _ in opt.stage_gradients(cid, inv_scale=1 / 1024))``
+        """
+        check_context(context_id, "DistributedOptimizer")
+        apply = self.next_step_applies
+        return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())
+
+    def _call_owners(
+        self, method: str, *args: Any, per_owner: Mapping[str, tuple[Any, ...]] | None = None
+    ) -> dict[str, Any]:
+        """Run ``method`` on every owner's local optimizer, the remote ones concurrently with
+        this process's own; raise the first error once every owner has replied."""
         futures = {
-            o: rpc.rpc_async(
-                o,
-                _local.local_step,
-                args=(r, context_id, apply, hparams, coef, skip),
+            owner: rpc.rpc_async(
+                owner,
+                _local.call,
+                args=(key, method, *(per_owner[owner] if per_owner else args)),
                 timeout=self.timeout,
             )
-            for o, r in self._remote.items()
+            for owner, key in self._remote.items()
         }
+        results: dict[str, Any] = {}
         error: BaseException | None = None
         if self._local is not None:
             try:
-                self._local.step(context_id, apply, hparams, coef, skip)
+                own_args = per_owner[self._me] if per_owner else args
+                results[self._me] = getattr(self._local, method)(*own_args)
             except BaseException as exc:  # still collect the owners' replies
                 error = exc
-        _wait_all(futures)
-        if error is not None:
-            raise error
-
-    def _stage(
-        self, context_id: int, inv_scale: float | None, norm_type: float | None
-    ) -> list[tuple[bool, Tensor | None]]:
-        """Stage the gradients the next ``step(context_id)`` will use; return per-owner results."""
-        check_context(context_id, "DistributedOptimizer")
-        apply = self.next_step_applies
-        futures = {
-            o: rpc.rpc_async(
-                o,
-                _local.local_stage,
-                args=(r, context_id, apply, inv_scale, norm_type),
-                timeout=self.timeout,
-            )
-            for o, r in self._remote.items()
-        }
-        results: list[tuple[bool, Tensor | None]] = []
-        if self._local is not None:
-            results.append(self._local.stage(context_id, apply, inv_scale, norm_type))
-        results.extend(_wait_all(futures).values())
+        results.update(_wait_all(futures, error))
         return results
+
+
+class _Held:
+    """``with`` a lock taken with a timeout (a plain class: cheaper than a generator)."""
+
+    __slots__ = ("lock", "timeout")
+
+    def __init__(self, lock: threading.Lock, timeout: float) -> None:
+        self.lock, self.timeout = lock, timeout
+
+    def __enter__(self) -> None:
+        # A world without an RPC timeout (<= 0) waits as long as its calls do.
+        if not self.lock.acquire(timeout=self.timeout if self.timeout > 0 else -1):
+            raise TimeoutError(f"timed out after {self.timeout}s waiting for the optimizer lock")
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 def clip_grad_norm_(
@@ -641,7 +687,7 @@ def clip_grad_norm_(
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
     if not isinstance(norm_type, int | float) or not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
-    results = optimizer._stage(context_id, None, float(norm_type))
+    results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
     norms = [n for _, n in results if n is not None]
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), float(norm_type))
     previous = optimizer._coef.get(context_id, 1.0)
@@ -717,19 +763,20 @@ def _functional_group(
 def _passed_names(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
     """Names of the constructor arguments the user passed (positionally or by keyword)."""
     try:
-        signature = inspect.signature(cls.__init__)  # type: ignore[misc]
-        bound = signature.bind_partial(None, None, *args, **kwargs)
+        bound = inspect.signature(cls.__init__).bind_partial(None, None, *args, **kwargs)  # type: ignore[misc]
     except (TypeError, ValueError):
         return set(kwargs)
     # Keywords land under **kwargs' own name when the class takes **kwargs: count them too.
     return set(bound.arguments) | set(kwargs)
 
 
-def _wait_all(futures: Mapping[str, Future[Any]]) -> dict[str, Any]:
-    """Wait for every future (each carries its RPC timeout); raise the first error after all."""
-    results: dict[str, Any] = {}
-    error: BaseException | None = None
+def _wait_all(
+    futures: Mapping[str, Future[Any]], error: BaseException | None = None
+) -> dict[str, Any]:
+    """Wait for every future (each carries its RPC timeout); then raise ``error`` or the first
+    owner's error, if any."""
     _wait_done(futures.values())
+    results: dict[str, Any] = {}
     for owner, fut in futures.items():
         try:
             results[owner] = fut.wait()

@@ -1,27 +1,25 @@
-# TorchScript: no zip(strict=), no `not in {...}`; signatures mirror torch.optim positionally.
-# ruff: noqa: B905, PLR1714, PLR0917
-"""Functional optimizers: one TorchScript-compatible class per algorithm.
+# _step and _collect are compiled by TorchScript: no zip(strict=), no `not in {...}`; the
+# constructor signatures mirror torch.optim positionally.
+# ruff: noqa: B905, PLR0917, PLR1714
+"""Functional optimizers: one class per algorithm, one shape for all of them.
 
-Each class takes its parameters once, ``__init__(params, lr, ...)``, and is stepped with an
-explicit list of gradients, ``step(gradients)``, where ``None`` skips that parameter (it is not
-touched and its state is not advanced). Nothing here reads or writes ``.grad``, so several
-threads can hand different gradients to the same parameters without racing on ``.grad``.
+Each class checks its hyperparameters in ``__init__(params, <torch.optim's hyperparameters>)`` and
+keeps the float ones in ``self.defaults`` (a ``dict[str, float]``; tuples are split: ``betas`` ->
+``beta1``/``beta2``, ``etas`` -> ``etaminus``/``etaplus``, ``step_sizes`` ->
+``step_size_min``/``step_size_max``), the flags in ``self.flags`` (also readable as attributes,
+``opt.foreach``), and the state in ``self.state: dict[Tensor, dict[str, Tensor]]``, laid out like
+the matching ``torch.optim`` class. All of them share one ``step(gradients)``: one gradient per
+parameter, ``None`` to leave that parameter and its state alone, handed to torch's own functional
+kernel (``torch.optim.adam.adam`` and friends), so results match ``torch.optim``. Nothing reads or
+writes ``.grad``: several threads can step the same parameters with different gradients.
 
-The classes are plain Python at import time; :func:`metadist.optim.script_functional_optimizer`
-compiles an instance with ``torch.jit.script`` on first use (torch caches the compiled class).
-Uncompiled, they run eagerly and
-can use torch's multi-tensor (``foreach=True``) or fused (``fused=True``) kernels; compiled, they
-use the single-tensor path (TorchScript supports neither of the others).
-
-Every update is delegated to torch's own functional kernels (``torch.optim.adam.adam`` and
-friends), and state is laid out exactly like the matching ``torch.optim`` class, so results and
-``state_dict`` entries agree with ``torch.optim``. Hyperparameters live in ``self.defaults`` (a
-``dict[str, float]``, tuples split: ``betas`` -> ``beta1``/``beta2``, ``etas`` ->
-``etaminus``/``etaplus``, ``step_sizes`` -> ``step_size_min``/``step_size_max``); assign a new dict
-to change them between steps.
+Eagerly they can use torch's ``foreach`` (multi-tensor) or ``fused`` kernels; compiled with
+:func:`metadist.optim.script_functional_optimizer` they run the per-tensor loop.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,21 +29,11 @@ from torch.optim.adadelta import adadelta as _adadelta
 from torch.optim.adagrad import adagrad as _adagrad
 from torch.optim.adam import adam as _adam
 from torch.optim.adamax import adamax as _adamax
-from torch.optim.adamw import adamw as _adamw
 from torch.optim.rmsprop import rmsprop as _rmsprop
 from torch.optim.rprop import rprop as _rprop
 from torch.optim.sgd import sgd as _sgd
 
 from metadist.optim.qhm import qhm
-
-
-def _check_gradients(num_params: int, num_gradients: int) -> None:
-    # A free function: TorchScript compiles it with each class that calls it.
-    if num_params != num_gradients:
-        raise ValueError(
-            f"gradients has {num_gradients} entries, expected one per parameter ({num_params})"
-        )
-
 
 __all__ = [
     "FunctionalAdadelta",
@@ -53,15 +41,441 @@ __all__ = [
     "FunctionalAdam",
     "FunctionalAdamW",
     "FunctionalAdamax",
+    "FunctionalOptimizer",
     "FunctionalQHM",
     "FunctionalRMSprop",
     "FunctionalRprop",
     "FunctionalSGD",
+    "Scriptable",
 ]
 
 
-class FunctionalSGD:
-    """SGD (momentum, dampening, Nesterov, weight decay, maximize); matches ``torch.optim.SGD``.
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_count(num_params: int, num_gradients: int) -> None:
+    _check(
+        num_params == num_gradients,
+        f"gradients has {num_gradients} entries, expected one per parameter ({num_params})",
+    )
+
+
+def _new_state(p: Tensor, names: list[str], fills: list[float], fused: bool) -> dict[str, Tensor]:
+    state = torch.jit.annotate(dict[str, Tensor], {})
+    for i, name in enumerate(names):
+        if name == "step":
+            state[name] = (
+                torch.zeros((), dtype=torch.float32, device=p.device)
+                if fused
+                else torch.tensor(0.0)
+            )
+        else:
+            state[name] = torch.full_like(p, fills[i], memory_format=torch.preserve_format)
+    return state
+
+
+def _collect(
+    params: list[Tensor],
+    gradients: list[Tensor | None],
+    state: dict[Tensor, dict[str, Tensor]],
+    names: list[str],
+    fills: list[float],
+    fused: bool,
+) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]]]:
+    """Parameters that have a gradient, their gradients, and one list per state name.
+
+    A parameter's state is created at its first step, as torch.optim creates it: ``"step"`` a
+    scalar tensor (float32 on the parameter's device for fused kernels, a CPU tensor otherwise),
+    every other name a tensor like the parameter filled with ``fills[i]``.
+    """
+    _check_count(len(params), len(gradients))
+    kept: list[Tensor] = []
+    grads: list[Tensor] = []
+    lists: list[list[Tensor]] = []
+    for _ in names:
+        lists.append(torch.jit.annotate(list[Tensor], []))
+    for p, g in zip(params, gradients):
+        if g is not None:
+            kept.append(p)
+            grads.append(g)
+            if len(names) > 0:  # (SGD keeps its optional buffers itself)
+                if p not in state:
+                    state[p] = _new_state(p, names, fills, fused)
+                entry = state[p]
+                for i in range(len(names)):
+                    lists[i].append(entry[names[i]])
+    return kept, grads, lists
+
+
+def _state_names(kind: str, d: dict[str, float], f: dict[str, bool]) -> list[str]:
+    if kind == "adam" or kind == "adamw":
+        names = ["step", "exp_avg", "exp_avg_sq"]
+        if f["amsgrad"]:
+            names.append("max_exp_avg_sq")
+        return names
+    if kind == "rmsprop":
+        names = ["step", "square_avg"]
+        if d["momentum"] > 0.0:
+            names.append("momentum_buffer")
+        if f["centered"]:
+            names.append("grad_avg")
+        return names
+    if kind == "adagrad":
+        return ["step", "sum"]
+    if kind == "adamax":
+        return ["step", "exp_avg", "exp_inf"]
+    if kind == "adadelta":
+        return ["step", "square_avg", "acc_delta"]
+    if kind == "rprop":
+        return ["step", "prev", "step_size"]
+    if kind == "qhm":
+        return ["momentum_buffer"]
+    return torch.jit.annotate(list[str], [])  # sgd: torch's kernel creates its buffers
+
+
+def _step(
+    kind: str,
+    params: list[Tensor],
+    gradients: list[Tensor | None],
+    state: dict[Tensor, dict[str, Tensor]],
+    d: dict[str, float],
+    f: dict[str, bool],
+) -> None:
+    """The step of every optimizer here: collect the lists, then run torch's kernel for ``kind``."""
+    names = _state_names(kind, d, f)
+    # Rprop's step size starts at lr, all other state at zero (Adagrad's is made up front).
+    fills = [0.0, 0.0, d["lr"] if kind == "rprop" else 0.0, 0.0]
+    fused = f.get("fused", False)
+    kept, g, s = _collect(params, gradients, state, names, fills, fused)
+    cplx = False
+    if kind != "sgd" and kind != "qhm":  # the kernels that take has_complex
+        for p in kept:
+            cplx = cplx or torch.is_complex(p)
+    foreach, maximize = f["foreach"], f["maximize"]
+    with torch.no_grad():
+        if kind == "sgd":
+            bufs: list[Tensor | None] = []
+            for p in kept:  # plain SGD keeps no buffers: skip the lookups
+                has = d["momentum"] != 0.0 and p in state
+                bufs.append(state[p]["momentum_buffer"] if has else None)
+            _sgd(
+                kept,
+                g,
+                bufs,
+                foreach=foreach,
+                fused=fused,
+                weight_decay=d["weight_decay"],
+                momentum=d["momentum"],
+                lr=d["lr"],
+                dampening=d["dampening"],
+                nesterov=f["nesterov"],
+                maximize=maximize,
+            )
+            if d["momentum"] != 0.0:  # keep the buffers torch's sgd created
+                for p, buf in zip(kept, bufs):
+                    if buf is not None:
+                        state[p] = {"momentum_buffer": buf}
+        elif kind == "adam" or kind == "adamw":
+            _adam(
+                kept,
+                g,
+                s[1],
+                s[2],
+                s[3] if f["amsgrad"] else [],
+                s[0],
+                foreach=foreach,
+                fused=fused,
+                has_complex=cplx,
+                decoupled_weight_decay=kind == "adamw" or f.get("decoupled_weight_decay", False),
+                amsgrad=f["amsgrad"],
+                beta1=d["beta1"],
+                beta2=d["beta2"],
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
+                eps=d["eps"],
+                maximize=maximize,
+            )
+        elif kind == "adagrad":
+            sparse = False
+            for grad in g:
+                sparse = sparse or grad.is_sparse
+            _adagrad(
+                kept,
+                g,
+                s[1],
+                s[0],
+                fused=fused,
+                has_sparse_grad=sparse,
+                foreach=foreach,
+                has_complex=cplx,
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
+                lr_decay=d["lr_decay"],
+                eps=d["eps"],
+                maximize=maximize,
+            )
+        elif kind == "rmsprop":
+            _rmsprop(
+                kept,
+                g,
+                s[1],
+                s[-1] if f["centered"] else [],
+                s[2] if d["momentum"] > 0.0 else [],
+                s[0],
+                foreach=foreach,
+                maximize=maximize,
+                has_complex=cplx,
+                lr=d["lr"],
+                alpha=d["alpha"],
+                eps=d["eps"],
+                weight_decay=d["weight_decay"],
+                momentum=d["momentum"],
+                centered=f["centered"],
+            )
+        elif kind == "adamax":
+            _adamax(
+                kept,
+                g,
+                s[1],
+                s[2],
+                s[0],
+                foreach=foreach,
+                maximize=maximize,
+                has_complex=cplx,
+                eps=d["eps"],
+                beta1=d["beta1"],
+                beta2=d["beta2"],
+                lr=d["lr"],
+                weight_decay=d["weight_decay"],
+            )
+        elif kind == "adadelta":
+            _adadelta(
+                kept,
+                g,
+                s[1],
+                s[2],
+                s[0],
+                foreach=foreach,
+                has_complex=cplx,
+                lr=d["lr"],
+                rho=d["rho"],
+                eps=d["eps"],
+                weight_decay=d["weight_decay"],
+                maximize=maximize,
+            )
+        elif kind == "rprop":
+            _rprop(
+                kept,
+                g,
+                s[1],
+                s[2],
+                s[0],
+                foreach=foreach,
+                maximize=maximize,
+                has_complex=cplx,
+                step_size_min=d["step_size_min"],
+                step_size_max=d["step_size_max"],
+                etaminus=d["etaminus"],
+                etaplus=d["etaplus"],
+            )
+        else:
+            qhm(
+                kept,
+                g,
+                s[0],
+                lr=d["lr"],
+                momentum=d["momentum"],
+                nu=d["nu"],
+                weight_decay=d["weight_decay"],
+                weight_decay_type="direct" if f["direct_weight_decay"] else "grad",
+                maximize=maximize,
+                foreach=foreach,
+            )
+
+
+class Scriptable:
+    """A metadist functional optimizer in the one class TorchScript compiles (it has no
+    inheritance): what :func:`metadist.optim.script_functional_optimizer` scripts.
+
+    Args:
+        kind: The algorithm (``"sgd"``, ``"adam"``, ...).
+        params: Parameters to update in place.
+        state: Per-parameter state.
+        defaults: Float hyperparameters.
+        flags: Boolean options.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        params: list[Tensor],
+        state: dict[Tensor, dict[str, Tensor]],
+        defaults: dict[str, float],
+        flags: dict[str, bool],
+    ) -> None:
+        self.kind = kind
+        self.params = params
+        self.state = state
+        self.defaults = defaults
+        self.flags = flags
+
+    def step(self, gradients: list[Tensor | None]) -> None:
+        """See :meth:`FunctionalOptimizer.step`."""
+        _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
+
+
+# Below this mean element count per parameter, one fused Adam call over flat buffers beats
+# torch's fused kernel called once per tensor (about 3 us each on CPU), copies included.
+FLAT_MAX_MEAN_NUMEL = 4096
+
+
+class _Flat:
+    """The state of many small parameters in one buffer per name (the parameters' state entries
+    become views of it), with buffers the parameters and gradients are copied into: a step is
+    one kernel call. The parameters' "step" counters share one tensor while this is in use."""
+
+    def __init__(self, params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> None:
+        self.sizes = [p.numel() for p in params]
+        first = params[0]
+        self.param = torch.empty(sum(self.sizes), dtype=first.dtype, device=first.device)
+        self.grad = torch.empty_like(self.param)
+        self.param_views = [v.view_as(p) for v, p in zip(self.param.split(self.sizes), params)]
+        self.grad_views = [v.view_as(p) for v, p in zip(self.grad.split(self.sizes), params)]
+        self.state: dict[Tensor, dict[str, Tensor]] = {}
+        entry: dict[str, Tensor] = {}
+        for name in state[first]:
+            if name == "step":
+                entry[name] = state[first][name].clone()
+                for p in params:
+                    state[p][name] = entry[name]
+                continue
+            entry[name] = torch.cat([state[p][name].reshape(-1) for p in params])
+            for p, view in zip(params, entry[name].split(self.sizes)):
+                state[p][name] = view.view_as(p)
+        self.state[self.param] = entry
+
+    @staticmethod
+    def adoptable(params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> bool:
+        """Whether every parameter has state of the same names (Adam's) and the same step count."""
+        names = set(state.get(params[0], ()))
+        if not names or any(p not in state or set(state[p]) != names for p in params):
+            return False
+        steps = torch.stack([state[p]["step"] for p in params])
+        return bool((steps == steps[0]).all())
+
+    def release(self, state: dict[Tensor, dict[str, Tensor]]) -> None:
+        """Give every parameter its own step counter back (per-tensor kernels advance each)."""
+        for entry in state.values():
+            if "step" in entry:
+                entry["step"] = entry["step"].clone()
+
+
+class FunctionalOptimizer:
+    """What the functional optimizers share: their state, their flags and their one ``step``."""
+
+    kind = ""
+
+    def __init__(self, params: list[Tensor], defaults: dict[str, float], **flags: bool) -> None:
+        self.params = params
+        self.defaults = defaults
+        self.flags = flags
+        self.state = {}
+        first = params[0] if params else None
+        # Flat stepping pays off for fused Adam/AdamW over many small real tensors of one kind
+        # (SGD's update is too cheap to win back the copies).
+        self._flattens = (
+            type(self).kind in ("adam", "adamw")
+            and bool(flags.get("fused"))
+            and first is not None
+            and len(params) > 1
+            and sum(p.numel() for p in params) <= FLAT_MAX_MEAN_NUMEL * len(params)
+            and all(
+                p.dtype == first.dtype
+                and p.device == first.device
+                and p.layout == torch.strided
+                and not torch.is_complex(p)
+                for p in params
+            )
+        )
+
+    @property
+    def state(self) -> dict[Tensor, dict[str, Tensor]]:
+        """``{parameter: {name: tensor}}``, as the matching ``torch.optim`` class keeps it.
+
+        Assign a new dict to replace it (as ``load_state_dict`` does).
+        """
+        return self._state
+
+    @state.setter
+    def state(self, value: dict[Tensor, dict[str, Tensor]]) -> None:
+        self._state = value
+        self._flat: _Flat | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        flags = self.__dict__.get("flags", {})
+        if name in flags:  # opt.foreach, opt.fused, opt.amsgrad, ...
+            return flags[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def step(self, gradients: list[Tensor | None]) -> None:
+        """Update every parameter whose gradient is not ``None``, in place.
+
+        Args:
+            gradients: One entry per parameter, in parameter order; ``None`` leaves that
+                parameter and its state alone.
+
+        Raises:
+            ValueError: If ``len(gradients) != len(params)``.
+
+        Example:
+            >>> import torch
+            >>> opt = FunctionalAdam([torch.zeros(1)])
+            >>> opt.step([None])
+            >>> opt.state  # no gradient yet: no state either
+            {}
+        """
+        _check_count(len(self.params), len(gradients))
+        if self._flattens and all(g is not None for g in gradients):
+            if self._flat is None and _Flat.adoptable(self.params, self.state):
+                self._flat = _Flat(self.params, self.state)
+            if self._flat is not None:
+                flat = self._flat
+                # Copied in every step: the parameters may have changed since the last one.
+                with torch.no_grad():
+                    torch._foreach_copy_(flat.param_views, self.params)
+                    torch._foreach_copy_(flat.grad_views, gradients)  # type: ignore[arg-type]
+                    _step(
+                        self.kind, [flat.param], [flat.grad], flat.state, self.defaults, self.flags
+                    )
+                    torch._foreach_copy_(self.params, flat.param_views)
+                return
+        if self._flat is not None:
+            self._flat.release(self.state)
+            self._flat = None
+        _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
+
+    def scriptable(self) -> Scriptable:
+        """The same optimizer (same parameters, state and hyperparameters) as a
+        :class:`Scriptable`, the class ``torch.jit.script`` compiles.
+
+        Returns:
+            A :class:`Scriptable` sharing this optimizer's containers.
+        """
+        return Scriptable(self.kind, self.params, self.state, self.defaults, self.flags)
+
+
+def _check_adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+    _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
+    _check(0.0 <= betas[0] < 1.0, f"Invalid beta parameter at index 0: {betas[0]}")
+    _check(0.0 <= betas[1] < 1.0, f"Invalid beta parameter at index 1: {betas[1]}")
+    _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+
+
+class FunctionalSGD(FunctionalOptimizer):
+    """SGD; matches ``torch.optim.SGD``.
 
     Args:
         params: Parameters to update in place.
@@ -74,16 +488,15 @@ class FunctionalSGD:
         foreach: Multi-tensor kernels (eager only).
         fused: Fused kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
-        >>> p = torch.ones(2)
-        >>> FunctionalSGD([p], lr=0.5).step([torch.ones(2)])
-        >>> p
-        tensor([0.5000, 0.5000])
+        >>> p, q = torch.ones(2), torch.ones(2)
+        >>> FunctionalSGD([p, q], lr=0.5).step([torch.ones(2), None])
+        >>> p, q  # q had no gradient: left alone
+        (tensor([0.5000, 0.5000]), tensor([1., 1.]))
     """
+
+    kind = "sgd"
 
     def __init__(
         self,
@@ -97,85 +510,25 @@ class FunctionalSGD:
         foreach: bool = False,
         fused: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if nesterov and (momentum <= 0.0 or dampening != 0.0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(momentum >= 0.0, f"Invalid momentum value: {momentum}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        _check(
+            not nesterov or (momentum > 0.0 and dampening == 0.0),
+            "Nesterov momentum requires a momentum and zero dampening",
         )
-        self.nesterov = nesterov
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalSGD([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        bufs: list[Tensor | None] = []
-        momentum = self.defaults["momentum"]
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                params.append(p)
-                grads.append(g)
-                if momentum != 0.0:
-                    if p not in self.state:
-                        self.state[p] = torch.jit.annotate(dict[str, Tensor], {})
-                    state = self.state[p]
-                    if "momentum_buffer" in state:
-                        bufs.append(state["momentum_buffer"])
-                    else:
-                        bufs.append(None)
-                else:
-                    bufs.append(None)
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            _sgd(
-                params,
-                grads,
-                bufs,
-                foreach=self.foreach,
-                fused=self.fused,
-                weight_decay=self.defaults["weight_decay"],
-                momentum=momentum,
-                lr=self.defaults["lr"],
-                dampening=self.defaults["dampening"],
-                nesterov=self.nesterov,
-                maximize=self.maximize,
-            )
-        if momentum != 0.0:
-            for i in range(len(params)):
-                buf = bufs[i]
-                if buf is not None:
-                    self.state[params[i]]["momentum_buffer"] = buf
+        hyper = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+        }
+        flags = {"nesterov": nesterov, "maximize": maximize, "foreach": foreach, "fused": fused}
+        super().__init__(params, hyper, **flags)
 
 
-class FunctionalAdam:
-    """Adam (optionally AMSGrad, decoupled weight decay); matches ``torch.optim.Adam``.
+class FunctionalAdam(FunctionalOptimizer):
+    """Adam; matches ``torch.optim.Adam``.
 
     Args:
         params: Parameters to update in place.
@@ -189,9 +542,6 @@ class FunctionalAdam:
         fused: Fused kernels (eager only).
         decoupled_weight_decay: AdamW-style weight decay.
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
         >>> p = torch.zeros(1)
@@ -199,6 +549,8 @@ class FunctionalAdam:
         >>> p
         tensor([-0.1000])
     """
+
+    kind = "adam"
 
     def __init__(
         self,
@@ -213,108 +565,20 @@ class FunctionalAdam:
         fused: bool = False,
         decoupled_weight_decay: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "beta1": betas[0],
-                "beta2": betas[1],
-                "eps": eps,
-                "weight_decay": weight_decay,
-            },
-        )
-        self.amsgrad = amsgrad
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
-        self.decoupled_weight_decay = decoupled_weight_decay
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdam([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        exp_avgs: list[Tensor] = []
-        exp_avg_sqs: list[Tensor] = []
-        max_exp_avg_sqs: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    if self.fused:
-                        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    else:
-                        state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if self.amsgrad:
-                        state["max_exp_avg_sq"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                    self.state[p] = state
-                state = self.state[p]
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                if self.amsgrad:
-                    max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            _adam(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                max_exp_avg_sqs,
-                steps,
-                foreach=self.foreach,
-                fused=self.fused,
-                has_complex=has_complex,
-                decoupled_weight_decay=self.decoupled_weight_decay,
-                amsgrad=self.amsgrad,
-                beta1=self.defaults["beta1"],
-                beta2=self.defaults["beta2"],
-                lr=self.defaults["lr"],
-                weight_decay=self.defaults["weight_decay"],
-                eps=self.defaults["eps"],
-                maximize=self.maximize,
-            )
+        _check_adam(lr, betas, eps, weight_decay)
+        hyper = {
+            "lr": lr,
+            "beta1": betas[0],
+            "beta2": betas[1],
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        flags = {"amsgrad": amsgrad, "maximize": maximize, "foreach": foreach, "fused": fused}
+        super().__init__(params, hyper, decoupled_weight_decay=decoupled_weight_decay, **flags)
 
 
-class FunctionalAdamW:
-    """AdamW (decoupled weight decay, optionally AMSGrad); matches ``torch.optim.AdamW``.
+class FunctionalAdamW(FunctionalOptimizer):
+    """AdamW; matches ``torch.optim.AdamW``.
 
     Args:
         params: Parameters to update in place.
@@ -327,9 +591,6 @@ class FunctionalAdamW:
         foreach: Multi-tensor kernels (eager only).
         fused: Fused kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
         >>> p = torch.zeros(1)
@@ -337,6 +598,8 @@ class FunctionalAdamW:
         >>> p
         tensor([-0.1000])
     """
+
+    kind = "adamw"
 
     def __init__(
         self,
@@ -350,106 +613,20 @@ class FunctionalAdamW:
         foreach: bool = False,
         fused: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "beta1": betas[0],
-                "beta2": betas[1],
-                "eps": eps,
-                "weight_decay": weight_decay,
-            },
-        )
-        self.amsgrad = amsgrad
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdamW([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        exp_avgs: list[Tensor] = []
-        exp_avg_sqs: list[Tensor] = []
-        max_exp_avg_sqs: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    if self.fused:
-                        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    else:
-                        state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if self.amsgrad:
-                        state["max_exp_avg_sq"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                    self.state[p] = state
-                state = self.state[p]
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                if self.amsgrad:
-                    max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            _adamw(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                max_exp_avg_sqs,
-                steps,
-                foreach=self.foreach,
-                fused=self.fused,
-                has_complex=has_complex,
-                amsgrad=self.amsgrad,
-                beta1=self.defaults["beta1"],
-                beta2=self.defaults["beta2"],
-                lr=self.defaults["lr"],
-                weight_decay=self.defaults["weight_decay"],
-                eps=self.defaults["eps"],
-                maximize=self.maximize,
-            )
+        _check_adam(lr, betas, eps, weight_decay)
+        hyper = {
+            "lr": lr,
+            "beta1": betas[0],
+            "beta2": betas[1],
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        flags = {"amsgrad": amsgrad, "maximize": maximize, "foreach": foreach, "fused": fused}
+        super().__init__(params, hyper, **flags)
 
 
-class FunctionalAdagrad:
-    """Adagrad; matches ``torch.optim.Adagrad`` (state is created for every parameter up front).
+class FunctionalAdagrad(FunctionalOptimizer):
+    """Adagrad; matches ``torch.optim.Adagrad`` (whose state exists from construction on).
 
     Args:
         params: Parameters to update in place.
@@ -462,9 +639,6 @@ class FunctionalAdagrad:
         foreach: Multi-tensor kernels (eager only).
         fused: Fused kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
         >>> p = torch.zeros(1)
@@ -472,6 +646,8 @@ class FunctionalAdagrad:
         >>> p
         tensor([-0.1000])
     """
+
+    kind = "adagrad"
 
     def __init__(
         self,
@@ -485,99 +661,29 @@ class FunctionalAdagrad:
         foreach: bool = False,
         fused: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if lr_decay < 0.0:
-            raise ValueError(f"Invalid lr_decay value: {lr_decay}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if initial_accumulator_value < 0.0:
-            raise ValueError(
-                f"Invalid initial_accumulator_value value: {initial_accumulator_value}"
-            )
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "lr_decay": lr_decay,
-                "eps": eps,
-                "weight_decay": weight_decay,
-                "initial_accumulator_value": initial_accumulator_value,
-            },
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(lr_decay >= 0.0, f"Invalid lr_decay value: {lr_decay}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        _check(
+            initial_accumulator_value >= 0.0,
+            f"Invalid initial_accumulator_value value: {initial_accumulator_value}",
         )
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
+        _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
+        hyper = {
+            "lr": lr,
+            "lr_decay": lr_decay,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "initial_accumulator_value": initial_accumulator_value,
+        }
+        super().__init__(params, hyper, maximize=maximize, foreach=foreach, fused=fused)
         # torch.optim.Adagrad creates its state at construction; so do we, for equal state_dicts.
-        for p in self.params:
-            state = torch.jit.annotate(dict[str, Tensor], {})
-            if fused:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            else:
-                state["step"] = torch.tensor(0.0)
-            state["sum"] = torch.full_like(
-                p, initial_accumulator_value, memory_format=torch.preserve_format
-            )
-            self.state[p] = state
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdagrad([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        sums: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        has_sparse_grad = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                has_sparse_grad = has_sparse_grad or g.is_sparse
-                params.append(p)
-                grads.append(g)
-                state = self.state[p]
-                sums.append(state["sum"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            _adagrad(
-                params,
-                grads,
-                sums,
-                steps,
-                fused=self.fused,
-                has_sparse_grad=has_sparse_grad,
-                foreach=self.foreach,
-                has_complex=has_complex,
-                lr=self.defaults["lr"],
-                weight_decay=self.defaults["weight_decay"],
-                lr_decay=self.defaults["lr_decay"],
-                eps=self.defaults["eps"],
-                maximize=self.maximize,
-            )
+        fills = [0.0, initial_accumulator_value]
+        _collect(self.params, list(self.params), self.state, ["step", "sum"], fills, fused)
 
 
-class FunctionalRMSprop:
-    """RMSprop (optionally centered, with momentum); matches ``torch.optim.RMSprop``.
+class FunctionalRMSprop(FunctionalOptimizer):
+    """RMSprop; matches ``torch.optim.RMSprop``.
 
     Args:
         params: Parameters to update in place.
@@ -590,9 +696,6 @@ class FunctionalRMSprop:
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
         >>> p = torch.zeros(1)
@@ -600,6 +703,8 @@ class FunctionalRMSprop:
         >>> p
         tensor([-0.1000])
     """
+
+    kind = "rmsprop"
 
     def __init__(
         self,
@@ -613,104 +718,23 @@ class FunctionalRMSprop:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if alpha < 0.0:
-            raise ValueError(f"Invalid alpha value: {alpha}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "alpha": alpha,
-                "eps": eps,
-                "weight_decay": weight_decay,
-                "momentum": momentum,
-            },
-        )
-        self.centered = centered
-        self.maximize = maximize
-        self.foreach = foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalRMSprop([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        square_avgs: list[Tensor] = []
-        grad_avgs: list[Tensor] = []
-        momentum_bufs: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        momentum = self.defaults["momentum"]
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["step"] = torch.tensor(0.0)
-                    state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if momentum > 0.0:
-                        state["momentum_buffer"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                    if self.centered:
-                        state["grad_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self.state[p] = state
-                state = self.state[p]
-                square_avgs.append(state["square_avg"])
-                steps.append(state["step"])
-                if momentum > 0.0:
-                    momentum_bufs.append(state["momentum_buffer"])
-                if self.centered:
-                    grad_avgs.append(state["grad_avg"])
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            _rmsprop(
-                params,
-                grads,
-                square_avgs,
-                grad_avgs,
-                momentum_bufs,
-                steps,
-                foreach=self.foreach,
-                maximize=self.maximize,
-                has_complex=has_complex,
-                lr=self.defaults["lr"],
-                alpha=self.defaults["alpha"],
-                eps=self.defaults["eps"],
-                weight_decay=self.defaults["weight_decay"],
-                momentum=momentum,
-                centered=self.centered,
-            )
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
+        _check(momentum >= 0.0, f"Invalid momentum value: {momentum}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        _check(alpha >= 0.0, f"Invalid alpha value: {alpha}")
+        hyper = {
+            "lr": lr,
+            "alpha": alpha,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+        }
+        super().__init__(params, hyper, centered=centered, maximize=maximize, foreach=foreach)
 
 
-class FunctionalAdamax:
-    """Adamax (Adam with the infinity norm); matches ``torch.optim.Adamax``.
+class FunctionalAdamax(FunctionalOptimizer):
+    """Adamax; matches ``torch.optim.Adamax``.
 
     Args:
         params: Parameters to update in place.
@@ -721,9 +745,6 @@ class FunctionalAdamax:
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
         >>> p = torch.zeros(1)
@@ -731,6 +752,8 @@ class FunctionalAdamax:
         >>> p
         tensor([-0.1000])
     """
+
+    kind = "adamax"
 
     def __init__(
         self,
@@ -742,90 +765,18 @@ class FunctionalAdamax:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "beta1": betas[0],
-                "beta2": betas[1],
-                "eps": eps,
-                "weight_decay": weight_decay,
-            },
-        )
-        self.maximize = maximize
-        self.foreach = foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdamax([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        exp_avgs: list[Tensor] = []
-        exp_infs: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_inf"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self.state[p] = state
-                state = self.state[p]
-                exp_avgs.append(state["exp_avg"])
-                exp_infs.append(state["exp_inf"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            _adamax(
-                params,
-                grads,
-                exp_avgs,
-                exp_infs,
-                steps,
-                foreach=self.foreach,
-                maximize=self.maximize,
-                has_complex=has_complex,
-                eps=self.defaults["eps"],
-                beta1=self.defaults["beta1"],
-                beta2=self.defaults["beta2"],
-                lr=self.defaults["lr"],
-                weight_decay=self.defaults["weight_decay"],
-            )
+        _check_adam(lr, betas, eps, weight_decay)
+        hyper = {
+            "lr": lr,
+            "beta1": betas[0],
+            "beta2": betas[1],
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, hyper, maximize=maximize, foreach=foreach)
 
 
-class FunctionalAdadelta:
+class FunctionalAdadelta(FunctionalOptimizer):
     """Adadelta; matches ``torch.optim.Adadelta``.
 
     Args:
@@ -837,9 +788,6 @@ class FunctionalAdadelta:
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
         >>> p = torch.zeros(1)
@@ -847,6 +795,8 @@ class FunctionalAdadelta:
         >>> bool(p < 0)
         True
     """
+
+    kind = "adadelta"
 
     def __init__(
         self,
@@ -858,81 +808,16 @@ class FunctionalAdadelta:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= rho <= 1.0:
-            raise ValueError(f"Invalid rho value: {rho}")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float], {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
-        )
-        self.maximize = maximize
-        self.foreach = foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalAdadelta([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        square_avgs: list[Tensor] = []
-        acc_deltas: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["step"] = torch.tensor(0.0)
-                    state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["acc_delta"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self.state[p] = state
-                state = self.state[p]
-                square_avgs.append(state["square_avg"])
-                acc_deltas.append(state["acc_delta"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            _adadelta(
-                params,
-                grads,
-                square_avgs,
-                acc_deltas,
-                steps,
-                foreach=self.foreach,
-                has_complex=has_complex,
-                lr=self.defaults["lr"],
-                rho=self.defaults["rho"],
-                eps=self.defaults["eps"],
-                weight_decay=self.defaults["weight_decay"],
-                maximize=self.maximize,
-            )
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(0.0 <= rho <= 1.0, f"Invalid rho value: {rho}")
+        _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        hyper = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, hyper, maximize=maximize, foreach=foreach)
 
 
-class FunctionalRprop:
-    """Rprop (resilient backpropagation); matches ``torch.optim.Rprop``.
+class FunctionalRprop(FunctionalOptimizer):
+    """Rprop; matches ``torch.optim.Rprop``.
 
     Args:
         params: Parameters to update in place.
@@ -942,9 +827,6 @@ class FunctionalRprop:
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
         >>> p = torch.zeros(1)
@@ -952,6 +834,8 @@ class FunctionalRprop:
         >>> p
         tensor([-0.1000])
     """
+
+    kind = "rprop"
 
     def __init__(
         self,
@@ -962,87 +846,20 @@ class FunctionalRprop:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 < etas[0] < 1.0 < etas[1]:
-            raise ValueError(f"Invalid eta values: {etas[0]}, {etas[1]}")
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {
-                "lr": lr,
-                "etaminus": etas[0],
-                "etaplus": etas[1],
-                "step_size_min": step_sizes[0],
-                "step_size_max": step_sizes[1],
-            },
-        )
-        self.maximize = maximize
-        self.foreach = foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalRprop([p, q]).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        prevs: list[Tensor] = []
-        step_sizes: list[Tensor] = []
-        steps: list[Tensor] = []
-        has_complex = False
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                has_complex = has_complex or torch.is_complex(p)
-                params.append(p)
-                grads.append(g)
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["step"] = torch.tensor(0.0)
-                    state["prev"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["step_size"] = torch.full_like(g, self.defaults["lr"])
-                    self.state[p] = state
-                state = self.state[p]
-                prevs.append(state["prev"])
-                step_sizes.append(state["step_size"])
-                steps.append(state["step"])
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            _rprop(
-                params,
-                grads,
-                prevs,
-                step_sizes,
-                steps,
-                foreach=self.foreach,
-                maximize=self.maximize,
-                has_complex=has_complex,
-                step_size_min=self.defaults["step_size_min"],
-                step_size_max=self.defaults["step_size_max"],
-                etaminus=self.defaults["etaminus"],
-                etaplus=self.defaults["etaplus"],
-            )
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(0.0 < etas[0] < 1.0 < etas[1], f"Invalid eta values: {etas[0]}, {etas[1]}")
+        hyper = {
+            "lr": lr,
+            "etaminus": etas[0],
+            "etaplus": etas[1],
+            "step_size_min": step_sizes[0],
+            "step_size_max": step_sizes[1],
+        }
+        super().__init__(params, hyper, maximize=maximize, foreach=foreach)
 
 
-class FunctionalQHM:
+class FunctionalQHM(FunctionalOptimizer):
     """Quasi-hyperbolic momentum, the functional twin of :class:`metadist.optim.QHM`.
-
-    The dampened momentum buffer is created once, at a parameter's first step, and persists:
-    ``buf = momentum * buf + (1 - momentum) * g`` and ``p -= lr * (nu * buf + (1 - nu) * g)``.
 
     Args:
         params: Parameters to update in place.
@@ -1054,16 +871,15 @@ class FunctionalQHM:
         maximize: Ascend instead of descend.
         foreach: Multi-tensor kernels (eager only).
 
-    Raises:
-        ValueError: On invalid hyperparameters or a gradient list of the wrong length.
-
     Example:
         >>> import torch
         >>> p = torch.zeros(1)
         >>> FunctionalQHM([p], lr=1.0, momentum=0.5, nu=1.0).step([torch.ones(1)])
-        >>> p
+        >>> p  # the dampened buffer: 0.5 * 0 + 0.5 * 1
         tensor([-0.5000])
     """
+
+    kind = "qhm"
 
     def __init__(
         self,
@@ -1076,68 +892,16 @@ class FunctionalQHM:
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if weight_decay_type != "grad" and weight_decay_type != "direct":
-            raise ValueError("Invalid weight_decay_type value: " + weight_decay_type)
-        self.defaults = torch.jit.annotate(
-            dict[str, float],
-            {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay},
+        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
+        _check(0.0 <= momentum < 1.0, f"Invalid momentum value: {momentum}")
+        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+        _check(
+            weight_decay_type in ("grad", "direct"),
+            f"Invalid weight_decay_type value: {weight_decay_type}",
+        )
+        hyper = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
+        direct = weight_decay_type == "direct"
+        super().__init__(
+            params, hyper, direct_weight_decay=direct, maximize=maximize, foreach=foreach
         )
         self.weight_decay_type = weight_decay_type
-        self.maximize = maximize
-        self.foreach = foreach
-        self.params = params
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One entry per parameter, ``None`` to skip it.
-
-        Raises:
-            ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> p, q = torch.ones(2), torch.ones(2)
-            >>> FunctionalQHM([p, q], lr=0.1, momentum=0.9, nu=0.7).step([torch.ones(2), None])
-            >>> q  # no gradient: left as it was
-            tensor([1., 1.])
-        """
-        _check_gradients(len(self.params), len(gradients))
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        bufs: list[Tensor] = []
-        for p, g in zip(self.params, gradients):
-            if g is not None:
-                params.append(p)
-                grads.append(g)
-                # Create the buffer once; it must survive across steps (the recipe's bug).
-                if p not in self.state:
-                    state = torch.jit.annotate(dict[str, Tensor], {})
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format
-                    )
-                    self.state[p] = state
-                bufs.append(self.state[p]["momentum_buffer"])
-        if len(params) == 0:
-            return
-        with torch.no_grad():
-            qhm(
-                params,
-                grads,
-                bufs,
-                lr=self.defaults["lr"],
-                momentum=self.defaults["momentum"],
-                nu=self.defaults["nu"],
-                weight_decay=self.defaults["weight_decay"],
-                weight_decay_type=self.weight_decay_type,
-                maximize=self.maximize,
-                foreach=self.foreach,
-            )

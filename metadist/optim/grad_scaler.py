@@ -59,8 +59,6 @@ class DistributedGradScaler:
         >>> main()
         (True, tensor([0.5000, 0.5000, 0.5000]))
 
-        The method examples below assume such ``scaler``, ``opt`` and ``cid`` inside a running
-        world, so they are not run as doctests.
     """
 
     def __init__(
@@ -95,8 +93,7 @@ class DistributedGradScaler:
             The ``enabled`` flag given at construction.
 
         Example:
-            >>> DistributedGradScaler(enabled=False).is_enabled()
-            False
+            ``DistributedGradScaler(enabled=False).is_enabled()`` is ``False``.
         """
         return self._enabled
 
@@ -155,9 +152,8 @@ class DistributedGradScaler:
             RuntimeError: If called twice for the same step.
 
         Example:
-            >>> found_inf = scaler.unscale_(opt, cid)  # doctest: +SKIP
-            >>> clip_grad_norm_(opt, cid, max_norm=1.0)  # doctest: +SKIP
-            >>> scaler.step(opt, cid)  # doctest: +SKIP
+            ``scaler.unscale_(opt, cid)``, then ``clip_grad_norm_(opt, cid, max_norm=1.0)``, then
+            ``scaler.step(opt, cid)``.
         """
         _check_optimizer(optimizer)
         key = (id(optimizer), context_id)
@@ -168,7 +164,7 @@ class DistributedGradScaler:
         if not self._enabled:
             self._unscaled[key] = False
             return False
-        results = optimizer._stage(context_id, 1.0 / self._scale, None)
+        results = optimizer.stage_gradients(context_id, inv_scale=1.0 / self._scale)
         found = any(f for f, _ in results)
         self._unscaled[key] = found
         return found
@@ -191,7 +187,7 @@ class DistributedGradScaler:
             TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
 
         Example:
-            >>> stepped = scaler.step(opt, cid)  # doctest: +SKIP
+            ``stepped = scaler.step(opt, cid)``, then ``scaler.update()``.
         """
         _check_optimizer(optimizer)
         key = (id(optimizer), context_id)
@@ -279,13 +275,7 @@ class DistributedGradScaler:
             >>> s.get_scale()
             4.0
         """
-        missing = {
-            "scale",
-            "growth_factor",
-            "backoff_factor",
-            "growth_interval",
-            "_growth_tracker",
-        } - set(state_dict)
+        missing = set(self.state_dict()) - set(state_dict)
         if missing:
             raise ValueError(f"state_dict is missing {sorted(missing)}")
         self._scale = float(state_dict["scale"])

@@ -1,25 +1,58 @@
-"""Compile a functional optimizer instance into TorchScript, lazily and once per class.
+"""Compile a functional optimizer instance with TorchScript, while torch still has it.
 
-A class compiled with ``torch.jit.script`` but instantiated from Python stays a Python object.
-Holding the instance as an attribute of a scripted ``nn.Module`` moves it into TorchScript: its
-``step`` then runs in the TorchScript interpreter, without the GIL. Compiling is not thread-safe in
-torch, so it is serialized; torch caches the compiled type, so only the first instance of each
-functional class pays for compilation.
+A class compiled with ``torch.jit.script`` but instantiated from Python stays a Python object;
+held as an attribute of a scripted ``nn.Module`` it moves into TorchScript, and its ``step`` runs
+in the TorchScript interpreter, without the GIL. torch deprecates TorchScript (a
+``DeprecationWarning`` since 2.10) and is set to make ``torch.jit.script`` raise:
+:func:`torchscript_status` says which, so that ``mode="auto"`` steps eagerly instead and
+``mode="scripted"`` fails with a clear message.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from metadist._quiet import quiet_torch_warnings
+from metadist.optim.functional import FunctionalOptimizer
 
-__all__ = ["ScriptedFunctionalOptimizer", "script_functional_optimizer"]
+__all__ = ["ScriptedFunctionalOptimizer", "script_functional_optimizer", "torchscript_status"]
 
+# torch's compiler is not thread-safe; torch caches compiled classes, so only the first
+# instance of each functional class pays for compilation.
 _compile_lock = threading.Lock()
+
+
+def _probe(x: Tensor) -> Tensor:
+    return x + 1
+
+
+@functools.cache
+def torchscript_status() -> tuple[bool, str | None]:
+    """``(works, problem)``: whether ``torch.jit.script`` compiles here, and why not to pick it
+    automatically (``None`` if nothing speaks against it).
+
+    Compiles a one-line function once per process: a missing ``torch.jit.script`` or one that
+    raises does not work; one that warns (deprecated) works but is not picked automatically.
+    """
+    version = torch.__version__
+    script = getattr(torch.jit, "script", None)
+    if script is None:
+        return False, f"torch {version} has no torch.jit.script"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            script(_probe)
+        except Exception as exc:
+            return False, f"torch.jit.script fails in torch {version} ({type(exc).__name__}: {exc})"
+    if any(issubclass(w.category, DeprecationWarning) for w in caught):
+        return True, f"torch {version} deprecates TorchScript"
+    return True, None
 
 
 class ScriptedFunctionalOptimizer(torch.nn.Module):
@@ -30,8 +63,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         optim: A functional optimizer instance (``step(gradients)``, ``state``, ``defaults``).
 
     Raises:
-        TypeError: If ``optim`` is not a functional optimizer instance (a class, a
-            ``torch.optim.Optimizer``, or an object without ``step``, ``state`` or ``defaults``).
+        TypeError: If ``optim`` is not a functional optimizer instance.
         ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
 
     Example:
@@ -40,30 +72,26 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         >>> p = torch.ones(1)
         >>> scripted = script_functional_optimizer(FunctionalSGD([p], lr=0.5))
         >>> scripted.step([torch.ones(1)])
-        >>> p
-        tensor([0.5000])
+        >>> p, scripted.get_defaults()["lr"]
+        (tensor([0.5000]), 0.5)
     """
 
     def __init__(self, optim: Any) -> None:
-        _check_functional_optimizer(optim, "optim")
+        _check_functional_optimizer(optim)
         super().__init__()
-        self.optim = optim
+        # metadist's own classes share one step through inheritance, which TorchScript cannot
+        # compile: they are scripted as the one class holding the same containers.
+        self.optim = optim.scriptable() if isinstance(optim, FunctionalOptimizer) else optim
 
     @torch.jit.export
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Step the held optimizer; ``None`` skips a parameter.
+        """Step the held optimizer.
 
         Args:
-            gradients: One gradient (or ``None``) per parameter, in parameter order.
+            gradients: One gradient per parameter, in parameter order; ``None`` skips it.
 
         Example:
-            >>> import torch
-            >>> from metadist.optim import FunctionalSGD
-            >>> p = torch.ones(2)
-            >>> opt = ScriptedFunctionalOptimizer(FunctionalSGD([p], lr=1.0))
-            >>> opt.step([None])  # skipped
-            >>> p
-            tensor([1., 1.])
+            ``scripted.step([g0, None])`` updates the first parameter only.
         """
         self.optim.step(gradients)
 
@@ -75,10 +103,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
             ``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it.
 
         Example:
-            >>> import torch
-            >>> from metadist.optim import FunctionalSGD
-            >>> ScriptedFunctionalOptimizer(FunctionalSGD([torch.ones(1)], lr=1.0)).get_state()
-            {}
+            ``scripted.get_state()[p]["momentum_buffer"]``
         """
         return self.optim.state
 
@@ -90,47 +115,37 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
             state: ``{parameter: {name: tensor}}``, e.g. from :meth:`get_state`.
 
         Example:
-            >>> import torch
-            >>> from metadist.optim import FunctionalSGD
-            >>> opt = ScriptedFunctionalOptimizer(FunctionalSGD([torch.ones(1)], lr=1.0))
-            >>> opt.set_state({})
+            ``scripted.set_state({})`` starts every parameter afresh.
         """
         self.optim.state = state
 
     @torch.jit.export
     def get_defaults(self) -> dict[str, float]:
-        """Return the held optimizer's hyperparameters.
+        """Return the held optimizer's float hyperparameters.
 
         Returns:
-            ``{name: value}`` of the float hyperparameters.
+            ``{name: value}``.
 
         Example:
-            >>> import torch
-            >>> from metadist.optim import FunctionalSGD
-            >>> opt = ScriptedFunctionalOptimizer(FunctionalSGD([torch.ones(1)], lr=0.5))
-            >>> opt.get_defaults()["lr"]
-            0.5
+            ``scripted.get_defaults()["lr"]``
         """
         return self.optim.defaults
 
     @torch.jit.export
     def set_defaults(self, defaults: dict[str, float]) -> None:
-        """Replace the held optimizer's hyperparameters.
+        """Replace the held optimizer's float hyperparameters.
 
         Args:
-            defaults: ``{name: value}``; e.g. a new ``lr`` from a scheduler.
+            defaults: ``{name: value}``, e.g. a new ``lr`` from a scheduler.
 
         Example:
-            >>> import torch
-            >>> from metadist.optim import FunctionalSGD
-            >>> opt = ScriptedFunctionalOptimizer(FunctionalSGD([torch.ones(1)], lr=0.5))
-            >>> opt.set_defaults({**opt.get_defaults(), "lr": 0.1})
+            ``scripted.set_defaults({**scripted.get_defaults(), "lr": 0.1})``
         """
         self.optim.defaults = defaults
 
 
 def script_functional_optimizer(optim: Any) -> Any:
-    """Compile ``optim`` (a functional optimizer instance) into TorchScript.
+    """Compile ``optim`` (a functional optimizer instance) with ``torch.jit.script``.
 
     Args:
         optim: An instance of a TorchScript-compatible functional optimizer built with
@@ -144,9 +159,9 @@ def script_functional_optimizer(optim: Any) -> Any:
         TypeError: If ``optim`` is not a functional optimizer instance (a class, a
             ``torch.optim.Optimizer``, or an object without ``step``, ``state`` or ``defaults``).
             Checked before anything is compiled.
-        ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True`` (TorchScript
-            runs neither).
-        RuntimeError: If the class cannot be compiled (torch's message says where).
+        ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
+        RuntimeError: If this torch cannot script at all (naming the torch version and the
+            eager alternative), or cannot compile this class (torch's message says where).
 
     Example:
         >>> import torch
@@ -157,12 +172,18 @@ def script_functional_optimizer(optim: Any) -> Any:
         >>> p
         tensor([-0.1000])
     """
-    _check_functional_optimizer(optim, "optim")
+    _check_functional_optimizer(optim)
+    works, problem = torchscript_status()
+    if not works:
+        raise RuntimeError(
+            f"cannot script {type(optim).__name__}: {problem}. Step it eagerly instead "
+            "(call its step() directly, or DistributedOptimizer(..., mode='eager' or 'auto'))"
+        )
     with _compile_lock, quiet_torch_warnings():
         return torch.jit.script(ScriptedFunctionalOptimizer(optim))
 
 
-def _check_functional_optimizer(optim: Any, name: str) -> None:
+def _check_functional_optimizer(optim: Any) -> None:
     """Raise a clear error unless ``optim`` is a scriptable functional optimizer instance.
 
     TorchScript would otherwise fail with a compile error about a missing attribute.
@@ -173,11 +194,11 @@ def _check_functional_optimizer(optim: Any, name: str) -> None:
     )
     if isinstance(optim, type):
         raise TypeError(
-            f"{name} must be {expected}, got the class {optim.__name__}; create an instance first"
+            f"optim must be {expected}, got the class {optim.__name__}; create an instance first"
         )
     if isinstance(optim, torch.optim.Optimizer):
         raise TypeError(
-            f"{name} must be {expected}, got the torch.optim.Optimizer {type(optim).__name__}, "
+            f"optim must be {expected}, got the torch.optim.Optimizer {type(optim).__name__}, "
             "which reads .grad; use its functional twin (see get_functional_optimizer)"
         )
     lacking = [
@@ -191,12 +212,12 @@ def _check_functional_optimizer(optim: Any, name: str) -> None:
     ]
     if lacking:
         raise TypeError(
-            f"{name} must be {expected}, got {optim!r:.100} of type {type(optim).__name__}, "
+            f"optim must be {expected}, got {optim!r:.100} of type {type(optim).__name__}, "
             f"which has no {' / '.join(lacking)}"
         )
     for flag in ("foreach", "fused"):
         if getattr(optim, flag, False) is True:
             raise ValueError(
-                f"{name} was built with {flag}=True, which TorchScript cannot run; build it with "
+                f"optim was built with {flag}=True, which TorchScript cannot run; build it with "
                 f"{flag}=False (the default) to script it"
             )
