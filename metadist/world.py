@@ -496,10 +496,6 @@ def wait_all(futures: Iterable[Future[Any]]) -> None:
         arrivals.get()
 
 
-# The name api.py and optim/distributed.py import today; to be dropped once they use wait_all.
-_wait_done = wait_all
-
-
 def _wait(future: Future[R]) -> R:
     """``future.wait()`` that Ctrl-C can interrupt (see :func:`wait_all`)."""
     wait_all((future,))

@@ -26,7 +26,7 @@ from metadist.autograd import check_context
 from metadist.optim import _local
 from metadist.optim.registry import get_functional_optimizer
 from metadist.optim.scripting import torchscript_status
-from metadist.world import _wait_done, get_worker_name, get_worker_names, require_rpc
+from metadist.world import get_worker_name, get_worker_names, require_rpc, wait_all
 
 __all__ = ["DistributedOptimizer", "clip_grad_norm_"]
 
@@ -775,7 +775,7 @@ def _wait_all(
 ) -> dict[str, Any]:
     """Wait for every future (each carries its RPC timeout); then raise ``error`` or the first
     owner's error, if any."""
-    _wait_done(futures.values())
+    wait_all(futures.values())
     results: dict[str, Any] = {}
     for owner, fut in futures.items():
         try:
