@@ -301,6 +301,7 @@ def _spmd_child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
             results["times"][str(tasks)] = {"spmd W=2": rounds}
         if rank == 0:
             Path(out).write_text(json.dumps(results))
+        dist.barrier()  # leave together: a peer gone mid-teardown aborts Gloo's threads
     finally:
         dist.destroy_process_group()
 
