@@ -286,7 +286,8 @@ class DimPartitioner:
 
     def _pieces(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Sequence[torch.Tensor]:
         if not self.exclusive:
-            return tensor.split(sizes, dim)
+            # One worker gets the batch itself (a world of 1 then runs on the caller's tensors).
+            return [tensor] if len(sizes) == 1 else tensor.split(sizes, dim)
         if self.keepdim:
             return tensor.split(1, dim)
         return tensor.unbind(dim)

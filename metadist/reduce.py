@@ -175,6 +175,9 @@ def mean_reducer(results: Sequence[Any]) -> Any:
     total = sum(weights) if weights is not None else len(results)
 
     def combine(values: list[Any], where: Callable[[], str]) -> Any:
+        one = values[0]
+        if len(values) == 1 and isinstance(one, torch.Tensor) and one.is_floating_point():
+            return one  # the mean of one partition is its result, exactly (a world of 1)
         if _kind(values, where, "mean_reducer") == "number":
             if weights is None:
                 return sum(values) / total
