@@ -208,10 +208,11 @@ def test_plain_run_resumes_automatically_and_refuses_another_run(tmp_path: Path)
 @pytest.mark.timeout(150)
 def test_sinusoid_trains_on_two_workers_and_resumes_exactly(tmp_path: Path) -> None:
     full, half = tmp_path / "full", tmp_path / "resumed"
-    common = ("--tasks", "25", "--eval-tasks", "100", "--save-every", "200")
+    workload = ("--steps", "400", "--tasks", "25", "--meta-lr", "1e-3")  # Finn et al.'s batch
     proc = run_torchrun(
-        EXAMPLES / "sinusoid.py", 2, "--steps", "400", "--out", str(full), *common, timeout=60
-    )
+        EXAMPLES / "sinusoid.py", 2, *workload, "--out", str(full), "--eval-tasks", "100",
+        "--save-every", "200", timeout=60,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (full / "learning_curve.png").stat().st_size > 10_000
     ckpt = _load(full / "checkpoint.pt")
@@ -221,11 +222,13 @@ def test_sinusoid_trains_on_two_workers_and_resumes_exactly(tmp_path: Path) -> N
     assert np.mean(curve[-50:]) < 0.8 * np.mean(curve[:50])  # seed 0: ratio 0.63
     summary = json.loads((full / "summary.json").read_text())
     assert summary["workers"] == 2
+    assert summary["ms_per_step"] > 0
+    assert "ms per step" in proc.stdout
     assert "MAML" in proc.stdout
     assert "pretrained" in proc.stdout
     # Resuming from the step-200 checkpoint reproduces the straight run bit for bit.
     proc = run_torchrun(
-        EXAMPLES / "sinusoid.py", 2, "--steps", "400", "--out", str(half), "--no-eval",
+        EXAMPLES / "sinusoid.py", 2, *workload, "--out", str(half), "--no-eval",
         "--resume", str(full / "checkpoint-000200.pt"), timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

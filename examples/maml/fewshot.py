@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Command-line options (defaults: 5-way 1-shot with a short schedule)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     add_training_args(
-        p, steps=300, tasks=8, hidden=64, inner_lr=0.4, eval_tasks=200, save_every=50,
-        out="runs/fewshot", hidden_help="filters per conv layer",
+        p, steps=300, tasks=8, hidden=64, inner_lr=0.4, meta_lr=1e-3, eval_tasks=200,
+        save_every=50, out="runs/fewshot", hidden_help="filters per conv layer",
     )  # fmt: skip
     p.add_argument(
         "--dataset", choices=("glyphs", "digits"), default="glyphs",

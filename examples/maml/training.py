@@ -73,6 +73,7 @@ def add_training_args(
     tasks: int,
     hidden: int,
     inner_lr: float,
+    meta_lr: float,
     eval_tasks: int,
     save_every: int,
     out: str,
@@ -85,7 +86,7 @@ def add_training_args(
     p.add_argument("--hidden", type=int, default=hidden, help=hidden_help)
     p.add_argument("--inner-steps", type=int, default=1, help="adaptation steps in training")
     p.add_argument("--inner-lr", type=float, default=inner_lr, help="alpha, inner learning rate")
-    p.add_argument("--meta-lr", type=float, default=1e-3, help="Adam (outer) learning rate")
+    p.add_argument("--meta-lr", type=float, default=meta_lr, help="Adam (outer) learning rate")
     p.add_argument("--first-order", action="store_true", help="FOMAML: drop second-order terms")
     p.add_argument("--eval-tasks", type=int, default=eval_tasks, help="held-out evaluation tasks")
     p.add_argument("--no-eval", action="store_true", help="skip the final evaluation")
