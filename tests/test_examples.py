@@ -200,6 +200,14 @@ def test_plain_run_resumes_automatically_and_refuses_another_run(tmp_path: Path)
     # Different options in the same --out: auto-resume refuses rather than mixing two runs.
     with pytest.raises(SystemExit, match="--tasks 5 vs 6"):
         sinusoid.main([*small[:2], "6", *small[3:], "--steps", "40", "--out", str(split)])
+    # fewshot's --plain evaluates without metadist too.
+    fewshot.main(
+        ["--plain", "--steps", "2", "--tasks", "2", "--query", "2", "--eval-tasks", "4",
+         "--threads", "1", "--out", str(tmp_path / "fewshot")]
+    )  # fmt: skip
+    summary = json.loads((tmp_path / "fewshot" / "summary.json").read_text())
+    assert 0.0 <= summary["meta_test_accuracy"][0] <= 1.0
+    assert summary["mode"] == "plain torch"
 
 
 # ----------------------------------------------------------------------------- end to end

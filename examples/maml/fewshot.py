@@ -16,6 +16,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 
@@ -117,7 +118,9 @@ def evaluate(
         dataset, "test", rng, args.eval_tasks, n_way=args.ways, k_shot=args.shots,
         k_query=args.query,
     )  # fmt: skip
-    accs = task_accuracy(
+    # --plain: the same function without metadist, in this process.
+    accuracy = inspect.unwrap(task_accuracy) if args.plain else task_accuracy
+    accs = accuracy(
         model, b.x_spt, b.y_spt, b.x_qry, b.y_qry,
         inner_lr=args.inner_lr, inner_steps=args.test_inner_steps,
     )  # fmt: skip

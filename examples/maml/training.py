@@ -326,8 +326,11 @@ def meta_train(
             for _, old in _numbered(args.out)[args.keep :]:
                 old.unlink()
 
-    kwargs = {"inner_lr": args.inner_lr, "inner_steps": args.inner_steps}
-    kwargs["first_order"] = args.first_order
+    kwargs = {
+        "inner_lr": args.inner_lr,
+        "inner_steps": args.inner_steps,
+        "first_order": args.first_order,
+    }
     plain = inspect.unwrap(meta_loss)  # the same function, without metadist
 
     def meta_step(batch: Sequence[Tensor]) -> list[float]:
@@ -365,7 +368,7 @@ def meta_train(
     if start < args.steps:
         checkpoint(args.steps)
     else:
-        print(f"{resume} is already at step {args.steps}: nothing to train (--resume none)")
+        print(f"{resume} is already at step {args.steps}: nothing to train (--resume none: anew)")
     curve = args.out / "learning_curve.png"
     plot_learning_curve(curve, history, title=f"{title}, {mode}", log_y=log_y)
     summary = training_summary(
