@@ -40,9 +40,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from data import FewShotBatch, GlyphDataset, sample_fewshot  # noqa: E402
-from metalearn import configure_threads, meta_objective  # noqa: E402
+from maml import meta_objective  # noqa: E402
 from models import ConvNet  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
+from training import configure_threads  # noqa: E402
 
 __all__ = ["main"]
 

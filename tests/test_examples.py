@@ -1,9 +1,17 @@
-"""The MAML examples: data and inner-loop units in-process, then end-to-end under torchrun."""
+"""The MAML examples: data, inner loop, options and checkpoints in-process, then end-to-end
+under torchrun, including a worker killed under ``torchrun --max-restarts``."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
+import signal
+import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +24,11 @@ EXAMPLES = REPO / "examples" / "maml"
 sys.path.insert(0, str(EXAMPLES))
 
 import data as maml_data  # noqa: E402
-import metalearn  # noqa: E402
+import fewshot  # noqa: E402
+import maml  # noqa: E402
 import models  # noqa: E402
+import sinusoid  # noqa: E402
+import training  # noqa: E402
 
 
 def _load(path: Path) -> dict[str, object]:
@@ -92,7 +103,7 @@ def test_vmap_and_loop_meta_gradients_agree_with_autograd() -> None:
     args = (b.x_spt, b.y_spt, b.x_qry, b.y_qry, F.mse_loss)
     grads = []
     for vectorize in (True, False):
-        loss, _ = metalearn.meta_objective(net, *args, steps=2, lr=0.01, vectorize=vectorize)
+        loss, _ = maml.meta_objective(net, *args, steps=2, lr=0.01, vectorize=vectorize)
         grads.append(torch.autograd.grad(loss, list(net.parameters())))
     # Hand-written second-order MAML with torch.autograd.grad(create_graph=True).
     params = list(net.parameters())
@@ -111,7 +122,7 @@ def test_vmap_and_loop_meta_gradients_agree_with_autograd() -> None:
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     # First order differs from second order (the second-order terms are really there).
-    loss, _ = metalearn.meta_objective(net, *args, steps=2, lr=0.01, first_order=True)
+    loss, _ = maml.meta_objective(net, *args, steps=2, lr=0.01, first_order=True)
     fo = torch.autograd.grad(loss, list(net.parameters()))
     assert not all(torch.allclose(a, b) for a, b in zip(fo, want, strict=True))
 
@@ -121,13 +132,13 @@ def test_checkpoint_round_trip_restores_sampler(tmp_path: Path) -> None:
     opt = torch.optim.Adam(net.parameters())
     rng = np.random.default_rng(0)
     rng.random(5)
-    metalearn.save_checkpoint(
+    training.save_checkpoint(
         tmp_path / "c.pt", model=net, optimizer=opt, step=7, rng=rng, history={"x": [1.0]}, args={}
     )
     expected = rng.random(3)
     fresh_rng = np.random.default_rng(123)
     fresh = models.ConvNet(n_way=3)
-    step, hist = metalearn.load_checkpoint(
+    step, hist = training.load_checkpoint(
         tmp_path / "c.pt",
         model=fresh,
         optimizer=torch.optim.Adam(fresh.parameters()),
@@ -137,7 +148,66 @@ def test_checkpoint_round_trip_restores_sampler(tmp_path: Path) -> None:
     np.testing.assert_array_equal(fresh_rng.random(3), expected)
     assert _params_equal(dict(fresh.state_dict()), dict(net.state_dict()))
     with pytest.raises(FileNotFoundError, match="resume"):
-        metalearn.load_checkpoint(tmp_path / "missing.pt", model=net, optimizer=opt, rng=rng)
+        training.load_checkpoint(tmp_path / "missing.pt", model=net, optimizer=opt, rng=rng)
+
+
+def test_auto_resume_takes_the_newest_checkpoint_that_loads(tmp_path: Path) -> None:
+    net = models.SineMLP(hidden=4)
+    opt = torch.optim.Adam(net.parameters())
+    rng = np.random.default_rng(0)
+    for step in (100, 200):
+        training.save_checkpoint(
+            tmp_path / f"checkpoint-{step:06d}.pt",
+            model=net, optimizer=opt, step=step, rng=rng, history={}, args={},
+        )  # fmt: skip
+    assert training.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-000200.pt"
+    # A writer killed before its rename leaves only a temporary file, which is never picked.
+    (tmp_path / ".checkpoint-000300.pt.tmp").write_bytes(b"half a checkpoint")
+    # A file cut short by something else (a full disk, a copy) is skipped, not fatal.
+    good = (tmp_path / "checkpoint-000200.pt").read_bytes()
+    (tmp_path / "checkpoint-000400.pt").write_bytes(good[: len(good) // 2])
+    assert training.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-000200.pt"
+    assert not list(tmp_path.glob("checkpoint-000300*"))
+    assert training.latest_checkpoint(tmp_path / "missing") is None
+
+
+def _parsers() -> list[argparse.ArgumentParser]:
+    return [sinusoid.build_parser(), fewshot.build_parser()]
+
+
+@pytest.mark.parametrize("parser", _parsers(), ids=["sinusoid", "fewshot"])
+def test_every_option_has_help_and_shows_its_default(parser: argparse.ArgumentParser) -> None:
+    text = " ".join(parser.format_help().split())
+    actions = parser._actions  # argparse has no public list of a parser's options
+    for action in actions:
+        assert action.help, f"{action.option_strings}: no help text"
+        assert action.option_strings[-1] in text
+    # Every option that takes a value shows its default; on/off flags are off by default.
+    assert text.count("(default:") == sum(action.nargs != 0 for action in actions)
+    assert "(default: auto)" in text
+
+
+def test_plain_run_resumes_automatically_and_refuses_another_run(tmp_path: Path) -> None:
+    small = ["--plain", "--tasks", "5", "--hidden", "8", "--no-eval", "--threads", "1"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    sinusoid.main([*small, "--steps", "30", "--out", str(straight)])
+    sinusoid.main([*small, "--steps", "20", "--save-every", "10", "--out", str(split)])
+    sinusoid.main([*small, "--steps", "30", "--out", str(split)])  # --resume auto: from step 20
+    want, got = _load(straight / "checkpoint.pt"), _load(split / "checkpoint.pt")
+    assert got["step"] == 30
+    assert got["history"] == want["history"]
+    assert _params_equal(got["model"], want["model"])  # type: ignore[arg-type]
+    # Different options in the same --out: auto-resume refuses rather than mixing two runs.
+    with pytest.raises(SystemExit, match="--tasks 5 vs 6"):
+        sinusoid.main([*small[:2], "6", *small[3:], "--steps", "40", "--out", str(split)])
+    # fewshot's --plain evaluates without metadist too.
+    fewshot.main(
+        ["--plain", "--steps", "2", "--tasks", "2", "--query", "2", "--eval-tasks", "4",
+         "--threads", "1", "--out", str(tmp_path / "fewshot")]
+    )  # fmt: skip
+    summary = json.loads((tmp_path / "fewshot" / "summary.json").read_text())
+    assert 0.0 <= summary["meta_test_accuracy"][0] <= 1.0
+    assert summary["mode"] == "plain torch"
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -146,10 +216,11 @@ def test_checkpoint_round_trip_restores_sampler(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_sinusoid_trains_on_two_workers_and_resumes_exactly(tmp_path: Path) -> None:
     full, half = tmp_path / "full", tmp_path / "resumed"
-    common = ("--eval-tasks", "100", "--save-every", "200")
+    workload = ("--steps", "400", "--tasks", "25", "--meta-lr", "1e-3")  # Finn et al.'s batch
     proc = run_torchrun(
-        EXAMPLES / "sinusoid.py", 2, "--steps", "400", "--out", str(full), *common, timeout=60
-    )
+        EXAMPLES / "sinusoid.py", 2, *workload, "--out", str(full), "--eval-tasks", "100",
+        "--save-every", "200", timeout=60,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (full / "learning_curve.png").stat().st_size > 10_000
     ckpt = _load(full / "checkpoint.pt")
@@ -159,11 +230,13 @@ def test_sinusoid_trains_on_two_workers_and_resumes_exactly(tmp_path: Path) -> N
     assert np.mean(curve[-50:]) < 0.8 * np.mean(curve[:50])  # seed 0: ratio 0.63
     summary = json.loads((full / "summary.json").read_text())
     assert summary["workers"] == 2
+    assert summary["ms_per_step"] > 0
+    assert "ms per step" in proc.stdout
     assert "MAML" in proc.stdout
     assert "pretrained" in proc.stdout
     # Resuming from the step-200 checkpoint reproduces the straight run bit for bit.
     proc = run_torchrun(
-        EXAMPLES / "sinusoid.py", 2, "--steps", "400", "--out", str(half), "--no-eval",
+        EXAMPLES / "sinusoid.py", 2, *workload, "--out", str(half), "--no-eval",
         "--resume", str(full / "checkpoint-000200.pt"), timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -200,3 +273,70 @@ def test_fewshot_trains_on_two_workers_and_resumes_exactly(tmp_path: Path) -> No
     resumed = _load(half / "checkpoint.pt")
     assert resumed["history"] == ckpt["history"]
     assert _params_equal(resumed["model"], ckpt["model"])  # type: ignore[arg-type]
+
+
+def _pids_of(marker: str, rank: int) -> list[int]:
+    """Workers of this test's first torchrun attempt with the given rank (found by environment)."""
+    want = {f"MAML_TEST_RUN={marker}", f"RANK={rank}", "TORCHELASTIC_RESTART_COUNT=0"}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = set((entry / "environ").read_bytes().decode(errors="replace").split("\0"))
+        except OSError:  # gone, or not ours
+            continue
+        if want <= env:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_sinusoid_resumes_bit_exactly_after_a_worker_is_killed(tmp_path: Path) -> None:
+    """torchrun --max-restarts=1 restarts both workers after worker 1 is SIGKILLed; rank 0
+    resumes from the newest checkpoint and ends where an uninterrupted run ends."""
+    steps, every = 300, 50
+    common = ("--steps", str(steps), "--tasks", "25", "--save-every", str(every), "--no-eval")
+    straight = run_torchrun(
+        EXAMPLES / "sinusoid.py", 2, *common, "--out", str(tmp_path / "straight"), timeout=60
+    )
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+
+    out, marker = tmp_path / "killed", uuid.uuid4().hex
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1",
+        "--nproc_per_node=2", str(EXAMPLES / "sinusoid.py"), *common, "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "MAML_TEST_RUN": marker, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cwd=REPO, start_new_session=True,
+    ) as job:  # fmt: skip
+        try:
+            # Part-way: once the step-100 checkpoint exists, with 200 steps still to go.
+            deadline = time.monotonic() + 60
+            while not (out / "checkpoint-000100.pt").exists():
+                assert job.poll() is None, "the job ended before its step-100 checkpoint"
+                assert time.monotonic() < deadline, "no step-100 checkpoint within 60 s"
+                time.sleep(0.02)
+            victims = _pids_of(marker, rank=1)
+            assert len(victims) == 1, victims
+            os.kill(victims[0], signal.SIGKILL)
+            stdout, stderr = job.communicate(timeout=90)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.communicate()
+    assert job.returncode == 0, stdout + stderr
+    resumed = re.findall(r"resuming from \S+ at step (\d+)", stdout)
+    assert len(resumed) == 1, stdout  # one restart, and it resumed from a checkpoint
+    assert 100 <= int(resumed[0]) < steps
+    assert "exitcode: -9" in stderr  # the agent saw worker 1 die while the job ran
+    want, got = _load(tmp_path / "straight" / "checkpoint.pt"), _load(out / "checkpoint.pt")
+    assert got["step"] == want["step"] == steps
+    assert got["history"] == want["history"]
+    assert _params_equal(got["model"], want["model"])  # type: ignore[arg-type]
+    assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()  # type: ignore[index]
+    for key, state in want["optimizer"]["state"].items():  # type: ignore[index]
+        for name, value in state.items():
+            assert torch.equal(got["optimizer"]["state"][key][name], value), (key, name)  # type: ignore[index]
