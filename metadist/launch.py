@@ -369,6 +369,8 @@ def _listener_and_rendezvous(
         # torch's rendezvous adds rank and world_size to the query itself.
         return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"
     if launch.launcher == "torchrun":
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return binding, f"{network.ELASTIC_SCHEME}://"  # survives --max-restarts
         return binding, "env://"
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     return binding, f"tcp://{host}:{master_port}"

@@ -20,14 +20,16 @@ import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
-from torch.distributed import HashStore, Store, TCPStore  # type: ignore[attr-defined]
-from torch.distributed.rendezvous import register_rendezvous_handler
+from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.rendezvous import register_rendezvous_handler, rendezvous
 
 __all__ = [
     "LOCAL_SCHEME",
     "LOOPBACK_SCHEME",
+    "ELASTIC_SCHEME",
     "Binding",
     "choose_binding",
     "default_route_interface",
@@ -42,6 +44,7 @@ logger = logging.getLogger("metadist")
 
 LOCAL_SCHEME = "metadist-local"
 LOOPBACK_SCHEME = "metadist-loopback"
+ELASTIC_SCHEME = "metadist-elastic"
 _SIOCGIFADDR = 0x8915
 
 
@@ -270,11 +273,20 @@ def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, 
     yield store, rank, world_size
 
 
+def _elastic_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
+    # torchrun's agent keeps one store for the whole job, across restarts, and torch's RPC files
+    # each worker's address under the same key on every attempt: a restarted worker would read
+    # the dead worker's address and fail to connect. A key prefix per attempt keeps them apart.
+    store, rank, world_size = next(rendezvous("env://?" + urlparse(url).query, **kwargs))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    yield PrefixStore(f"metadist/attempt_{attempt}", store), rank, world_size
+
+
 _installed = False
 
 
 def install_rendezvous_handlers() -> None:
-    """Register metadist's ``metadist-local://`` and ``metadist-loopback://`` schemes (once).
+    """Register metadist's ``metadist-local://``, ``-loopback://`` and ``-elastic://`` schemes.
 
     Example:
         >>> install_rendezvous_handlers()
@@ -282,7 +294,12 @@ def install_rendezvous_handlers() -> None:
     global _installed
     if _installed:
         return
-    for scheme, handler in ((LOCAL_SCHEME, _local_handler), (LOOPBACK_SCHEME, _loopback_handler)):
+    handlers = (
+        (LOCAL_SCHEME, _local_handler),
+        (LOOPBACK_SCHEME, _loopback_handler),
+        (ELASTIC_SCHEME, _elastic_handler),
+    )
+    for scheme, handler in handlers:
         with contextlib.suppress(RuntimeError):  # already registered by an earlier import
             register_rendezvous_handler(scheme, handler)
     _installed = True

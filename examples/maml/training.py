@@ -10,7 +10,6 @@ everything a bit-exact continuation needs, so that a job restarted by
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import inspect
 import io
@@ -19,15 +18,12 @@ import random
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -140,32 +136,7 @@ def launch(train: Callable[[argparse.Namespace], object], args: argparse.Namespa
         train(args)
         return
     init = functools.partial(configure_threads, args.threads)
-    options = _restartable_rpc_options()
-    metadist.auto_init_rpc(init, rpc_backend_options=options)(metadist.rank_zero_only(train))(args)
-
-
-ELASTIC_SCHEME = "maml-elastic"
-
-
-def _per_attempt_rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
-    store, rank, world_size = next(dist.rendezvous("env://?" + urlparse(url).query, **kwargs))
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    yield dist.PrefixStore(f"maml/attempt_{attempt}", store), rank, world_size
-
-
-def _restartable_rpc_options() -> rpc.TensorPipeRpcBackendOptions | None:
-    """RPC options that survive ``torchrun --max-restarts`` (None: metadist's defaults).
-
-    torchrun's agent keeps one store for the whole job, and torch's RPC files each worker's
-    address under the same key on every attempt: a restarted worker would read the dead
-    worker's address and fail with ECONNREFUSED. A key prefix per attempt keeps them apart.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    with contextlib.suppress(RuntimeError):  # registered already
-        dist.register_rendezvous_handler(ELASTIC_SCHEME, _per_attempt_rendezvous)
-    # The TCP transport, as metadist's default: shared memory busy-polls a core per worker.
-    return rpc.TensorPipeRpcBackendOptions(_transports=["uv"], init_method=f"{ELASTIC_SCHEME}://")
+    metadist.auto_init_rpc(init)(metadist.rank_zero_only(train))(args)
 
 
 # ----------------------------------------------------------------------------- checkpoints
