@@ -184,6 +184,46 @@ def role_metadist(args: argparse.Namespace) -> None:
     metadist.auto_init_rpc(configure_threads)(drive)()
 
 
+# --------------------------------------------------------------------------- (e) SPMD
+
+
+def role_spmd(args: argparse.Namespace) -> None:
+    """(e) the learn2learn pattern: each worker its chunk, a local backward, an all-reduce."""
+    import torch.distributed as dist
+
+    configure_threads()
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        net, b = workload()
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+        reference = reference_meta_grad(net, b) if rank == 0 else None
+        tensors = (b.x_spt, b.y_spt, b.x_qry, b.y_qry)
+        mine = [torch.tensor_split(t, world)[rank] for t in tensors]
+        weight = len(mine[0]) / len(tensors[0])  # the global mean, whatever the split
+
+        def step() -> None:
+            opt.zero_grad()
+            (_metadist_loss(net, *mine) * weight).backward()
+            flat = torch.cat([q.grad.reshape(-1) for q in net.parameters()])  # type: ignore[union-attr]
+            dist.all_reduce(flat)
+            offset = 0
+            for q in net.parameters():
+                q.grad.copy_(flat[offset : offset + q.numel()].view_as(q))  # type: ignore[union-attr]
+                offset += q.numel()
+
+        step()
+        got = flat_grad(net)
+        times = time_steps(lambda: (step(), opt.step()), args.repeats, args.warmup)
+        if rank == 0:
+            assert reference is not None
+            rel = ((got - reference).norm() / reference.norm()).item()
+            Path(args.json).write_text(json.dumps({"times": times, "grad_rel_err": rel}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- (d) torchopt
 
 
@@ -279,9 +319,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=15, help="timed outer steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed outer steps first")
-    p.add_argument("--variants", default="a,a2,b,b2,c,d,d1", help="comma-separated subset")
+    p.add_argument("--variants", default="a,a2,b,b2,c,e,d,d1", help="comma-separated subset")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun world")
-    p.add_argument("--role", choices=("metadist", "torchopt"), help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=("metadist", "torchopt", "spmd"), help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.role == "metadist":
@@ -289,6 +329,9 @@ def main() -> None:
         return
     if args.role == "torchopt":
         role_torchopt(args)
+        return
+    if args.role == "spmd":
+        role_spmd(args)
         return
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -321,6 +364,13 @@ def main() -> None:
             med[f"c{w}"] = statistics.median(times)
             rel_errs[f"c{w}"] = float(res["grad_rel_err"])  # type: ignore[arg-type]
             print(f"(c  ) metadist, {w} workers{'':<17} {fmt(times)}", flush=True)
+    if "e" in variants:
+        res = run_world("spmd", 2, args)
+        if res is not None:
+            times = list(res["times"])  # type: ignore[call-overload]
+            med["e"] = statistics.median(times)
+            rel_errs["e"] = float(res["grad_rel_err"])  # type: ignore[arg-type]
+            print(f"(e  ) SPMD all-reduce, 2 workers{'':<10} {fmt(times)}", flush=True)
     if variants & {"d", "d1"}:
         if not (TORCHOPT_DIR / "torchopt").is_dir():
             print(
@@ -367,6 +417,12 @@ def main() -> None:
                     f"torchopt W=2 ({key}): parallel efficiency time(a)/(2 x time({key}))", end=""
                 )
                 print(f" = {eff:.2f}")
+    if "c2" in med and "e" in med:
+        eff = med["a"] / (2 * med["e"]) if "a" in med else float("nan")
+        print(
+            f"SPMD W=2 (e): parallel efficiency {eff:.2f}; time(e) / time(c) = "
+            f"{med['e'] / med['c2']:.2f}x  (target: metadist no slower, >= 1.0)"
+        )
     if "c2" in med and "d" in med:
         print(f"time(d) / time(c) = {med['d'] / med['c2']:.2f}x  (target >= 1.35)")
     if "c2" in med and "d1" in med:
