@@ -419,6 +419,7 @@ def plot(times: dict[int, dict[str, list[float]]], path: Path) -> None:
             ax.plot(tasks, speedup, style, label=name)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks(tasks, [str(t) for t in tasks])
     ax.set_xlabel("tasks per meta-batch")
     ax.set_ylabel("speed-up over plain torch")
