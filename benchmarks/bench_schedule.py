@@ -42,7 +42,7 @@ from torch import Tensor, nn
 import metadist
 from metadist.network import free_loopback_port
 
-WIDTH = 64
+WIDTH = 128
 
 
 def make_model() -> nn.Module:
@@ -62,7 +62,7 @@ def task_loss(model: nn.Module, x: Tensor, steps: Tensor) -> Tensor:
 
 def batch(kind: str, tasks: int) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(tasks)
-    x = torch.randn(tasks, 256, WIDTH, generator=g)
+    x = torch.randn(tasks, 512, WIDTH, generator=g)
     if kind == "even":
         steps = torch.full((tasks,), 4)
     elif kind == "skewed":

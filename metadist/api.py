@@ -152,6 +152,8 @@ _NO_GRAD, _GRAD, _INFERENCE = 0, 1, 2
 def _in_grad_mode(mode: int) -> contextlib.AbstractContextManager[Any]:
     if mode == _INFERENCE:
         return torch.inference_mode()
+    if torch.is_grad_enabled() == (mode == _GRAD) and not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()  # already so (RPC threads run with grad enabled)
     return torch.set_grad_enabled(mode == _GRAD)
 
 
@@ -193,6 +195,8 @@ def _received_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tens
 
 def _finish_result(result: Any, received: torch.Tensor | None) -> Any:
     """Tie the result to a received input; refuse results that cannot travel faithfully."""
+    if received is None and type(result) is torch.Tensor:
+        return result  # the common case: nothing to tie, nothing to refuse
     leaves, spec = tree_flatten(result)
     tied = received is None
     for i, leaf in enumerate(leaves):
@@ -237,23 +241,27 @@ def _run_partition(  # noqa: PLR0917 - the RPC target; positional on the wire
     compression: torch.dtype | None,
     grad_mode: int = _GRAD,
     timed: bool = False,
+    differentiable: bool = False,
 ) -> Any:
-    """Run one partition on this worker (the RPC target of every remote call)."""
+    """Run one partition on this worker (the RPC target of every remote call).
+
+    ``differentiable``: the caller sent tensors that distributed autograd records.
+    """
     start = timeline.now() if timed else 0.0
-    worker = rpc.get_worker_info().name
     try:
         if needs_decode:
             args, kwargs = transport.decode(args, kwargs)
     except Exception as error:
-        return RemoteFailure.capture(error, worker, "decode")
+        return RemoteFailure.capture(error, rpc.get_worker_info().name, "decode")
     try:
         with _in_grad_mode(grad_mode):
             result = getattr(func, _ORIGINAL, func)(*args, **kwargs)
-            result = _finish_result(result, _received_input(args, kwargs))
+            received = _received_input(args, kwargs) if differentiable else None
+            result = _finish_result(result, received)
         if compression is not None:
             result = transport.compress_tree(result, compression)
     except Exception as error:
-        return RemoteFailure.capture(error, worker, "call")
+        return RemoteFailure.capture(error, rpc.get_worker_info().name, "call")
     return _Timed(result, start, timeline.now()) if timed else result
 
 
@@ -487,6 +495,7 @@ class _Call:
                     self.compression,
                     self.grad_mode,
                     timed,
+                    self.differentiable[index],
                 ),
                 timeout=self.timeout,
             )
@@ -533,9 +542,9 @@ class _Call:
         pending = self.queues.get("" if self.dynamic else worker)
         return pending.popleft() if pending else None
 
-    def fill(self, worker: str) -> None:
-        """Send ``worker`` its next partitions, up to the in-flight bound."""
-        while self.in_flight.get(worker, 0) < IN_FLIGHT_PER_WORKER:
+    def fill(self, worker: str, bound: int = IN_FLIGHT_PER_WORKER) -> None:
+        """Send ``worker`` its next partitions, up to ``bound`` in flight."""
+        while self.in_flight.get(worker, 0) < bound:
             index = self._next_for(worker)
             if index is None:
                 return
@@ -557,6 +566,12 @@ class _Call:
             if runs_here:
                 index = self._next_for(self.own)
                 if index is not None:
+                    if self.dynamic and len(self.queues[""]) > len(remote_workers):
+                        # Nothing is handed out while this thread computes: give each worker
+                        # one more to go on with meanwhile, unless the end is near (the last
+                        # partitions go to whoever frees up first).
+                        for worker in remote_workers:
+                            self.fill(worker, IN_FLIGHT_PER_WORKER + 1)
                     self.run_here(index)
                     continue
             if not any(self.in_flight.values()):
