@@ -400,7 +400,7 @@ def dim_partitioner(
       ``keepdim=False`` removes the split dimension (``(T, B, ...)`` becomes ``T`` tensors of
       shape ``(B, ...)``).
     * ``schedule="dynamic"`` (with ``exclusive=True``): a synchronous call hands each item to
-      the next worker that frees up (at most two in flight per worker), instead of fixing the
+      the next worker that frees up (two or three in flight per worker), instead of fixing the
       round-robin assignment before anything runs; for items of uneven cost. Results are reduced
       in item order either way.
 
