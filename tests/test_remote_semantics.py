@@ -561,6 +561,18 @@ def dynamic_schedule_errors_name_task_and_worker(world_size: int) -> None:
         md.remote_sync_call(fail_on_task_three, args=(torch.arange(6.0),), partitioner=part)
     assert info.value.partition_index == 3  # type: ignore[attr-defined]
     assert info.value.worker_name in str(info.value)  # type: ignore[attr-defined]
+    # timeouts name the item and its worker too
+    slow_part = md.dim_partitioner(0, exclusive=True, workers=[1, 2], schedule="dynamic")
+    with pytest.raises(TimeoutError) as late:
+        md.remote_sync_call(slow, args=(torch.ones(2, 1),), partitioner=slow_part, timeout=0.5)
+    assert late.value.partition_index in (0, 1)  # type: ignore[attr-defined]
+    assert late.value.worker_name in ("worker1", "worker2")  # type: ignore[attr-defined]
+    # nested calls inside dynamically scheduled items
+    nested = md.dim_partitioner(0, exclusive=True, workers=[1, 2], schedule="dynamic")
+    out = md.remote_sync_call(
+        mid, args=(torch.arange(20.0),), partitioner=nested, reducer=md.cat_reducer
+    )
+    assert torch.equal(out, torch.arange(20.0) * 2)
     # asynchronous calls keep the static assignment (and work)
     fut = md.remote_async_call(
         leaf, args=(torch.arange(6.0),), partitioner=part, reducer=md.cat_reducer
