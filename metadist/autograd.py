@@ -599,6 +599,18 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     return {t: g.clone() for t, g in _dist_get_gradients(context_id).items()}
 
 
+def gradients_here(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """This worker's gradients of ``context_id`` (not copied; empty if it took no part).
+
+    What an owner's optimizer reads: the context's map on this worker, for the leaves whose
+    gradients a backward pass of the context delivered here.
+    """
+    try:
+        return dict(_dist_get_gradients(context_id))
+    except RuntimeError:  # no such context here: this worker took no part in it
+        return {}
+
+
 def is_available() -> bool:
     """Whether torch was built with distributed autograd (``torchopt.distributed.autograd``'s name).
 

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
+from metadist.autograd import gradients_here
 from metadist.optim.scripting import script_functional_optimizer, torchscript_status
 
 __all__: list[str] = []
@@ -177,11 +177,8 @@ class LocalOptimizer:
         staged = self.staged.pop(context_id, None) if pop else self.staged.get(context_id)
         if staged is not None:
             return staged
-        try:
-            found = dist_autograd.get_gradients(context_id)  # type: ignore[attr-defined]
-        except RuntimeError:
-            # This owner took no part in the context's backward pass: nothing to apply here.
-            found = {}
+        # Empty where this owner took no part in the context's backward pass.
+        found = gradients_here(context_id)
         # Tensors hash by identity, so the context's dict is looked up by parameter directly.
         grads: list[Tensor | None] = [found.get(p) for p in self.params]
         if not apply:
