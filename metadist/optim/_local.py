@@ -3,13 +3,12 @@
 A :class:`LocalOptimizer` holds the owner's parameters, their optimizer state (which leaves the
 owner only for ``state_dict``), the gradient-accumulation window and the gradients staged by the
 scaler or clipping. Every entry point holds the instance's lock, taken with a timeout, so that
-``step`` calls from several trainers are serialized on each owner. The caller reaches it with
-:func:`call`, naming the instance by an int key.
+``step`` calls from several trainers are serialized on each owner. Requests reach it through
+:func:`call`, naming it by an int key.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -17,7 +16,6 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from metadist.autograd import gradients_here
+from metadist.optim.functional import flat_hparams
 from metadist.optim.scripting import script_functional_optimizer, torchscript_status
 
 __all__: list[str] = []
@@ -32,12 +31,6 @@ __all__: list[str] = []
 logger = logging.getLogger("metadist")
 
 MODES = ("auto", "eager", "scripted")
-# Tuple-valued torch param-group entries and the names functional classes keep them under.
-TUPLE_KEYS = {
-    "betas": ("beta1", "beta2"),
-    "etas": ("etaminus", "etaplus"),
-    "step_sizes": ("step_size_min", "step_size_max"),
-}
 # Below this mean element count per parameter, torch's multi-tensor kernels beat a per-tensor loop
 # on CPU (measured: 100 x 1,000 Adam 1.1 ms vs 1.8 ms; 10 x 100,000 2.6 ms vs 0.9 ms).
 FOREACH_MAX_MEAN_NUMEL = 1 << 15
@@ -61,16 +54,21 @@ class Spec:
     timeout: float
 
 
-def to_functional_hparams(hparams: dict[str, Any]) -> dict[str, float]:
-    """Flatten torch param-group scalars into a functional optimizer's ``defaults`` names."""
-    out: dict[str, float] = {}
-    for key, value in hparams.items():
-        if key in TUPLE_KEYS:
-            first, second = TUPLE_KEYS[key]
-            out[first], out[second] = float(value[0]), float(value[1])
-        else:
-            out[key] = float(value)
-    return out
+class TimedLock:
+    """A lock whose ``with`` gives up after ``timeout`` seconds (``<= 0``: waits as long as RPC
+    calls do). A plain class: cheaper than a generator-based context manager."""
+
+    __slots__ = ("lock", "timeout", "what")
+
+    def __init__(self, timeout: float, what: str) -> None:
+        self.lock, self.timeout, self.what = threading.Lock(), timeout, what
+
+    def __enter__(self) -> None:
+        if not self.lock.acquire(timeout=self.timeout if self.timeout > 0 else -1):
+            raise TimeoutError(f"timed out after {self.timeout}s waiting for {self.what}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 def eager_kernel(
@@ -81,24 +79,13 @@ def eager_kernel(
     ``accepted`` holds the functional class's constructor arguments; ``foreach``/``fused`` are the
     user's flags, ``None`` when unset: only unset flags are auto-picked.
     """
-    if "fused" in accepted and (
-        fused
-        or (
-            fused is None
-            and not foreach
-            and all(p.dtype in _FUSED_DTYPES and p.device.type == "cpu" for p in params)
-        )
-    ):
+    cpu_floats = all(p.dtype in _FUSED_DTYPES and p.device.type == "cpu" for p in params)
+    if "fused" in accepted and (fused or (fused is None and not foreach and cpu_floats)):
         return "fused"
-    if "foreach" in accepted and (
-        foreach
-        or (
-            foreach is None
-            and not fused
-            and len(params) > 1
-            and sum(p.numel() for p in params) / len(params) <= FOREACH_MAX_MEAN_NUMEL
-        )
-    ):
+    many_small = len(params) > 1 and sum(p.numel() for p in params) / len(params) <= (
+        FOREACH_MAX_MEAN_NUMEL
+    )
+    if "foreach" in accepted and (foreach or (foreach is None and not fused and many_small)):
         return "foreach"
     return "single-tensor"
 
@@ -115,7 +102,7 @@ class LocalOptimizer:
     def __init__(self, spec: Spec, params: list[Tensor]) -> None:
         self.spec = spec
         self.params = params
-        self.lock = threading.Lock()
+        self.lock = TimedLock(spec.timeout, "this owner's optimizer lock")
         self.accum: list[Tensor | None] | None = None
         self.staged: dict[int, list[Tensor | None]] = {}
         self.optim: Any  # a functional optimizer, its scripted module, or a torch.optim.Optimizer
@@ -129,7 +116,7 @@ class LocalOptimizer:
             self.mode, self.kernel = "torch", "torch.optim"
             self.optim = spec.optimizer_class(params, **spec.kwargs)
             return
-        accepted = set(inspect.signature(functional_class.__init__).parameters) - {"self"}  # type: ignore[misc]
+        accepted = set(inspect.signature(functional_class).parameters)
         kwargs = {k: v for k, v in spec.kwargs.items() if k in accepted and k != "params"}
         foreach: bool | None = kwargs.pop("foreach", None)
         fused: bool | None = kwargs.pop("fused", None)
@@ -147,8 +134,7 @@ class LocalOptimizer:
                 "foreach=True / fused=True cannot run under TorchScript; use mode='eager' "
                 "for these owners or leave foreach/fused unset"
             )
-        self.mode = mode
-        self.kernel = "single-tensor"
+        self.mode, self.kernel = mode, "single-tensor"
         if mode == "eager":
             self.kernel = eager_kernel(accepted, params, foreach, fused)
             if self.kernel != "single-tensor":
@@ -158,18 +144,19 @@ class LocalOptimizer:
 
     # -- helpers (called with the lock held) ---------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        timeout = self.spec.timeout
-        if not self.lock.acquire(timeout=timeout if timeout > 0 else -1):
-            raise TimeoutError(
-                f"timed out after {self.spec.timeout}s waiting for this owner's optimizer lock "
-                f"on {rpc.get_worker_info().name}"
-            )
-        try:
-            yield
-        finally:
-            self.lock.release()
+    def _get(self, name: str) -> Any:
+        """The optimizer's ``state`` or ``defaults`` (a scripted module's come by method)."""
+        return (
+            getattr(self.optim, f"get_{name}")()
+            if self.mode == "scripted"
+            else (getattr(self.optim, name))
+        )
+
+    def _set(self, name: str, value: Any) -> None:
+        if self.mode == "scripted":
+            getattr(self.optim, f"set_{name}")(value)
+        else:
+            setattr(self.optim, name, value)
 
     def _gradients(self, context_id: int, apply: bool, pop: bool) -> list[Tensor | None]:
         """The gradients a step of ``context_id`` uses: staged ones, else the context's own
@@ -177,9 +164,9 @@ class LocalOptimizer:
         staged = self.staged.pop(context_id, None) if pop else self.staged.get(context_id)
         if staged is not None:
             return staged
-        # Empty where this owner took no part in the context's backward pass.
+        # Empty where this owner took no part in the context's backward pass. Tensors hash by
+        # identity, so the dict is looked up by parameter directly.
         found = gradients_here(context_id)
-        # Tensors hash by identity, so the context's dict is looked up by parameter directly.
         grads: list[Tensor | None] = [found.get(p) for p in self.params]
         if not apply:
             return grads
@@ -192,19 +179,6 @@ class LocalOptimizer:
         if self.spec.average and n > 1:
             grads = [None if g is None else g / n for g in grads]
         return grads
-
-    def _set_hparams(self, hparams: dict[str, Any]) -> None:
-        if self.mode == "torch":
-            for group in self.optim.param_groups:
-                group.update(hparams)
-            return
-        flat = to_functional_hparams(hparams)
-        current = self.optim.get_defaults() if self.mode == "scripted" else self.optim.defaults
-        merged = {k: flat.get(k, v) for k, v in current.items()}
-        if self.mode == "scripted":
-            self.optim.set_defaults(merged)
-        else:
-            self.optim.defaults = merged
 
     def _apply(self, grads: list[Tensor | None]) -> None:
         if self.mode != "torch":
@@ -228,9 +202,13 @@ class LocalOptimizer:
     ) -> None:
         """Accumulate (``apply`` false) or apply the gradients of ``context_id`` times ``coef``;
         ``hparams`` (torch param-group names) is sent only when it changed."""
-        with self._locked():
-            if hparams is not None:
-                self._set_hparams(hparams)
+        with self.lock:
+            if hparams is not None and self.mode == "torch":
+                for group in self.optim.param_groups:
+                    group.update(hparams)
+            elif hparams is not None:
+                flat = flat_hparams(hparams)
+                self._set("defaults", {k: flat.get(k, v) for k, v in self._get("defaults").items()})
             grads = self._gradients(context_id, apply, pop=True)
             if coef != 1.0:
                 grads = [None if g is None else g * coef for g in grads]
@@ -247,7 +225,7 @@ class LocalOptimizer:
 
     def skip(self) -> None:
         """Drop the window's gradients: some owner found an inf/NaN."""
-        with self._locked():
+        with self.lock:
             self.accum = None
             self.staged.clear()
 
@@ -256,38 +234,34 @@ class LocalOptimizer:
     ) -> tuple[bool, Tensor | None]:
         """Unscale (by ``inv_scale``) and keep the gradients the next step of ``context_id``
         uses; return whether any is inf/NaN and their norm of order ``norm_type``."""
-        with self._locked():
+        with self.lock:
             grads = self._gradients(context_id, apply, pop=False)
             found_inf = False
             if inv_scale is not None:
                 grads = [None if g is None else g * inv_scale for g in grads]
                 found_inf = any(not bool(torch.isfinite(g).all()) for g in grads if g is not None)
             self.staged[context_id] = grads
-            if norm_type is None:
-                return found_inf, None
             present = [g for g in grads if g is not None]
-            if not present:
-                return found_inf, torch.zeros(())
+            if norm_type is None or not present:
+                return found_inf, None if norm_type is None else torch.zeros(())
             norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in present])
             return found_inf, torch.linalg.vector_norm(norms, norm_type)
 
     def state(self) -> tuple[list[dict[str, Any] | None], list[Tensor | None] | None]:
         """Copies of the optimizer state (one entry per parameter) and of the open window."""
-        with self._locked():
-            live = self.optim.get_state() if self.mode == "scripted" else self.optim.state
-            by_id = {id(p): s for p, s in live.items()}
-            states: list[dict[str, Any] | None] = []
-            for p in self.params:
-                s = by_id.get(id(p))
-                states.append({k: _copy(v) for k, v in s.items()} if s else None)
-            accum = None if self.accum is None else [_copy(a) for a in self.accum]
-            return states, accum
+        with self.lock:
+            by_id = {id(p): s for p, s in self._get("state").items()}
+            states = [
+                {k: _copy(v) for k, v in s.items()} if (s := by_id.get(id(p))) else None
+                for p in self.params
+            ]
+            return states, None if self.accum is None else [_copy(a) for a in self.accum]
 
     def load_state(
         self, states: list[dict[str, Any] | None], accum: list[Tensor | None] | None
     ) -> None:
         """Replace the optimizer state and the accumulation window (``None``: a fresh one)."""
-        with self._locked():
+        with self.lock:
             for what, given in (("state", states), ("accumulated gradients", accum)):
                 if given is not None and len(given) != len(self.params):
                     raise ValueError(
@@ -300,23 +274,17 @@ class LocalOptimizer:
                 for p, s in zip(self.params, states, strict=True)
                 if s
             }
-            window = None
-            if accum is not None:
-                window = [
-                    None if a is None else a.detach().to(p.device, p.dtype, copy=True)
-                    for p, a in zip(self.params, accum, strict=True)
-                ]
-            self.accum = (
-                window if window is not None and any(a is not None for a in window) else None
-            )
+            window = [
+                None if a is None else a.detach().to(p.device, p.dtype, copy=True)
+                for p, a in zip(self.params, accum or [None] * len(self.params), strict=True)
+            ]
+            self.accum = window if any(a is not None for a in window) else None
             self.staged.clear()
-            if self.mode == "scripted":
-                self.optim.set_state(new)
-            elif self.mode == "torch":
+            if self.mode == "torch":
                 self.optim.state.clear()
                 self.optim.state.update(new)
             else:
-                self.optim.state = new
+                self._set("state", new)
 
     def describe(self) -> tuple[str, str, int]:
         """``(mode, kernel, number of parameters)``."""
@@ -339,8 +307,10 @@ def _as_state(value: Any, param: Tensor, tensors_only: bool) -> Any:
 # -- module-level functions the caller invokes over RPC (pickled by reference) ----------------
 
 
-def build(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> LocalOptimizer:
-    """Resolve the RRefs to this owner's tensors, check them and build the local optimizer."""
+def create(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> tuple[rpc.RRef[LocalOptimizer], int]:
+    """Resolve the RRefs to this owner's tensors, check them and build the local optimizer
+    (RPC target, or called in-process by the caller for its own share); return an RRef to it
+    and its key."""
     params: list[Tensor] = []
     seen: set[int] = set()
     for i, rref in enumerate(param_rrefs):
@@ -357,12 +327,7 @@ def build(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> LocalOptimizer:
             )
         seen.add(id(value))
         params.append(value)
-    return LocalOptimizer(spec, params)
-
-
-def create(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> tuple[rpc.RRef[LocalOptimizer], int]:
-    """Build a local optimizer on this owner (RPC target); return an RRef to it and its key."""
-    local = build(spec, param_rrefs)
+    local = LocalOptimizer(spec, params)
     key = next(_keys)
     _LIVE[key] = local
     return rpc.RRef(local), key

@@ -1,25 +1,50 @@
-# _step and _collect are compiled by TorchScript: no zip(strict=), no `not in {...}`; the
-# constructor signatures mirror torch.optim positionally.
+# _step, _collect and Scriptable are compiled by TorchScript: no zip(strict=), no `not in {...}`.
 # ruff: noqa: B905, PLR0917, PLR1714
-"""Functional optimizers: one class per algorithm, one shape for all of them.
+"""Functional optimizers: one dataclass of hyperparameters per algorithm, one ``step`` for all.
 
-Each class checks its hyperparameters in ``__init__(params, <torch.optim's hyperparameters>)`` and
-keeps the float ones in ``self.defaults`` (a ``dict[str, float]``; tuples are split: ``betas`` ->
-``beta1``/``beta2``, ``etas`` -> ``etaminus``/``etaplus``, ``step_sizes`` ->
-``step_size_min``/``step_size_max``), the flags in ``self.flags`` (also readable as attributes,
-``opt.foreach``), and the state in ``self.state: dict[Tensor, dict[str, Tensor]]``, laid out like
-the matching ``torch.optim`` class. All of them share one ``step(gradients)``: one gradient per
-parameter, ``None`` to leave that parameter and its state alone, handed to torch's own functional
-kernel (``torch.optim.adam.adam`` and friends), so results match ``torch.optim``. Nothing reads or
-writes ``.grad``: several threads can step the same parameters with different gradients.
+Each class takes ``(params, <its torch.optim class's hyperparameters>)``, checked by that class's
+own constructor. Float hyperparameters live in ``self.defaults`` (tuples split: ``betas`` ->
+``beta1``/``beta2``, see :data:`TUPLE_KEYS`), boolean ones in ``self.flags``, and the state in
+``self.state: dict[Tensor, dict[str, Tensor]]``, laid out as ``torch.optim`` lays it out.
+``step(gradients)`` takes one gradient per parameter (``None`` leaves that parameter and its state
+alone) and runs torch's own functional kernel (``torch.optim.adam.adam`` and friends), so results
+match ``torch.optim``. Nothing reads or writes ``.grad``: several threads can step the same
+parameters with different gradients. Eagerly they can use torch's ``foreach`` or ``fused``
+kernels; compiled with :func:`metadist.optim.script_functional_optimizer`, the per-tensor loop.
 
-Eagerly they can use torch's ``foreach`` (multi-tensor) or ``fused`` kernels; compiled with
-:func:`metadist.optim.script_functional_optimizer` they run the per-tensor loop.
+Example:
+    >>> import torch
+    >>> p, q = torch.ones(2), torch.ones(2)
+    >>> FunctionalSGD([p, q], lr=0.5).step([torch.ones(2), None])
+    >>> p, q  # q had no gradient: left alone
+    (tensor([0.5000, 0.5000]), tensor([1., 1.]))
+    >>> p = torch.zeros(1)
+    >>> FunctionalQHM([p], lr=1.0, momentum=0.5, nu=1.0).step([torch.ones(1)])
+    >>> p  # the dampened buffer: 0.5 * 0 + 0.5 * 1
+    tensor([-0.5000])
+    >>> for cls in (FunctionalAdam, FunctionalAdamW, FunctionalAdamax, FunctionalAdagrad,
+    ...             FunctionalRprop):
+    ...     p = torch.zeros(1)
+    ...     cls([p], lr=0.1).step([torch.ones(1)])
+    ...     print(cls.__name__, p)
+    FunctionalAdam tensor([-0.1000])
+    FunctionalAdamW tensor([-0.1000])
+    FunctionalAdamax tensor([-0.1000])
+    FunctionalAdagrad tensor([-0.1000])
+    FunctionalRprop tensor([-0.1000])
+    >>> p = torch.zeros(1)
+    >>> FunctionalRMSprop([p], lr=0.01).step([torch.ones(1)]); p
+    tensor([-0.1000])
+    >>> p = torch.zeros(1)
+    >>> FunctionalAdadelta([p], lr=1.0).step([torch.ones(1)]); bool(p < 0)
+    True
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import inspect
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -33,7 +58,7 @@ from torch.optim.rmsprop import rmsprop as _rmsprop
 from torch.optim.rprop import rprop as _rprop
 from torch.optim.sgd import sgd as _sgd
 
-from metadist.optim.qhm import qhm
+from metadist.optim.qhm import QHM, qhm
 
 __all__ = [
     "FunctionalAdadelta",
@@ -47,33 +72,35 @@ __all__ = [
     "FunctionalRprop",
     "FunctionalSGD",
     "Scriptable",
+    "TUPLE_KEYS",
+    "flat_hparams",
 ]
 
+# Tuple-valued torch hyperparameters and the float names functional optimizers keep them under.
+TUPLE_KEYS = {
+    "betas": ("beta1", "beta2"),
+    "etas": ("etaminus", "etaplus"),
+    "step_sizes": ("step_size_min", "step_size_max"),
+}
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+
+def flat_hparams(hparams: dict[str, Any]) -> dict[str, float]:
+    """The float hyperparameters of ``hparams`` (torch param-group names) under ``defaults``
+    names: tuples split by :data:`TUPLE_KEYS`; flags, strings and ``None`` left out."""
+    out: dict[str, float] = {}
+    for key, value in hparams.items():
+        if key in TUPLE_KEYS:
+            out[TUPLE_KEYS[key][0]], out[TUPLE_KEYS[key][1]] = float(value[0]), float(value[1])
+        elif not isinstance(value, bool | str | type(None)):
+            out[key] = float(value)
+    return out
 
 
 def _check_count(num_params: int, num_gradients: int) -> None:
-    _check(
-        num_params == num_gradients,
-        f"gradients has {num_gradients} entries, expected one per parameter ({num_params})",
-    )
-
-
-def _new_state(p: Tensor, names: list[str], fills: list[float], fused: bool) -> dict[str, Tensor]:
-    state = torch.jit.annotate(dict[str, Tensor], {})
-    for i, name in enumerate(names):
-        if name == "step":
-            state[name] = (
-                torch.zeros((), dtype=torch.float32, device=p.device)
-                if fused
-                else torch.tensor(0.0)
-            )
-        else:
-            state[name] = torch.full_like(p, fills[i], memory_format=torch.preserve_format)
-    return state
+    if num_params != num_gradients:
+        raise ValueError(
+            f"gradients has {num_gradients} entries, expected one per parameter ({num_params})"
+        )
 
 
 def _collect(
@@ -86,9 +113,9 @@ def _collect(
 ) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]]]:
     """Parameters that have a gradient, their gradients, and one list per state name.
 
-    A parameter's state is created at its first step, as torch.optim creates it: ``"step"`` a
-    scalar tensor (float32 on the parameter's device for fused kernels, a CPU tensor otherwise),
-    every other name a tensor like the parameter filled with ``fills[i]``.
+    State is created at a parameter's first step, as torch.optim creates it: ``"step"`` a scalar
+    (float32 on the parameter's device for fused kernels, on the CPU otherwise), every other name
+    a tensor like the parameter filled with ``fills[i]``.
     """
     _check_count(len(params), len(gradients))
     kept: list[Tensor] = []
@@ -102,10 +129,17 @@ def _collect(
             grads.append(g)
             if len(names) > 0:  # (SGD keeps its optional buffers itself)
                 if p not in state:
-                    state[p] = _new_state(p, names, fills, fused)
-                entry = state[p]
+                    entry = torch.jit.annotate(dict[str, Tensor], {})
+                    for i, name in enumerate(names):
+                        if name != "step":
+                            entry[name] = torch.full_like(p, fills[i])
+                        elif fused:
+                            entry[name] = torch.zeros((), dtype=torch.float32, device=p.device)
+                        else:
+                            entry[name] = torch.tensor(0.0)
+                    state[p] = entry
                 for i in range(len(names)):
-                    lists[i].append(entry[names[i]])
+                    lists[i].append(state[p][names[i]])
     return kept, grads, lists
 
 
@@ -153,7 +187,7 @@ def _step(
     if kind != "sgd" and kind != "qhm":  # the kernels that take has_complex
         for p in kept:
             cplx = cplx or torch.is_complex(p)
-    foreach, maximize = f["foreach"], f["maximize"]
+    foreach, maximize, lr, wd = f["foreach"], f["maximize"], d["lr"], d.get("weight_decay", 0.0)
     with torch.no_grad():
         if kind == "sgd":
             bufs: list[Tensor | None] = []
@@ -166,9 +200,9 @@ def _step(
                 bufs,
                 foreach=foreach,
                 fused=fused,
-                weight_decay=d["weight_decay"],
+                weight_decay=wd,
                 momentum=d["momentum"],
-                lr=d["lr"],
+                lr=lr,
                 dampening=d["dampening"],
                 nesterov=f["nesterov"],
                 maximize=maximize,
@@ -192,8 +226,8 @@ def _step(
                 amsgrad=f["amsgrad"],
                 beta1=d["beta1"],
                 beta2=d["beta2"],
-                lr=d["lr"],
-                weight_decay=d["weight_decay"],
+                lr=lr,
+                weight_decay=wd,
                 eps=d["eps"],
                 maximize=maximize,
             )
@@ -210,8 +244,8 @@ def _step(
                 has_sparse_grad=sparse,
                 foreach=foreach,
                 has_complex=cplx,
-                lr=d["lr"],
-                weight_decay=d["weight_decay"],
+                lr=lr,
+                weight_decay=wd,
                 lr_decay=d["lr_decay"],
                 eps=d["eps"],
                 maximize=maximize,
@@ -227,10 +261,10 @@ def _step(
                 foreach=foreach,
                 maximize=maximize,
                 has_complex=cplx,
-                lr=d["lr"],
+                lr=lr,
                 alpha=d["alpha"],
                 eps=d["eps"],
-                weight_decay=d["weight_decay"],
+                weight_decay=wd,
                 momentum=d["momentum"],
                 centered=f["centered"],
             )
@@ -247,8 +281,8 @@ def _step(
                 eps=d["eps"],
                 beta1=d["beta1"],
                 beta2=d["beta2"],
-                lr=d["lr"],
-                weight_decay=d["weight_decay"],
+                lr=lr,
+                weight_decay=wd,
             )
         elif kind == "adadelta":
             _adadelta(
@@ -259,10 +293,10 @@ def _step(
                 s[0],
                 foreach=foreach,
                 has_complex=cplx,
-                lr=d["lr"],
+                lr=lr,
                 rho=d["rho"],
                 eps=d["eps"],
-                weight_decay=d["weight_decay"],
+                weight_decay=wd,
                 maximize=maximize,
             )
         elif kind == "rprop":
@@ -281,23 +315,12 @@ def _step(
                 etaplus=d["etaplus"],
             )
         else:
-            qhm(
-                kept,
-                g,
-                s[0],
-                lr=d["lr"],
-                momentum=d["momentum"],
-                nu=d["nu"],
-                weight_decay=d["weight_decay"],
-                weight_decay_type="direct" if f["direct_weight_decay"] else "grad",
-                maximize=maximize,
-                foreach=foreach,
-            )
+            wd_type = "direct" if f["direct_weight_decay"] else "grad"
+            qhm(kept, g, s[0], lr, d["momentum"], d["nu"], wd, wd_type, maximize, foreach)
 
 
 class Scriptable:
-    """A metadist functional optimizer in the one class TorchScript compiles (it has no
-    inheritance): what :func:`metadist.optim.script_functional_optimizer` scripts.
+    """A functional optimizer as the one class TorchScript compiles (it has no inheritance).
 
     Args:
         kind: The algorithm (``"sgd"``, ``"adam"``, ...).
@@ -337,13 +360,12 @@ class _Flat:
     one kernel call. The parameters' "step" counters share one tensor while this is in use."""
 
     def __init__(self, params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> None:
-        self.sizes = [p.numel() for p in params]
+        sizes = [p.numel() for p in params]
         first = params[0]
-        self.param = torch.empty(sum(self.sizes), dtype=first.dtype, device=first.device)
+        self.param = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
         self.grad = torch.empty_like(self.param)
-        self.param_views = [v.view_as(p) for v, p in zip(self.param.split(self.sizes), params)]
-        self.grad_views = [v.view_as(p) for v, p in zip(self.grad.split(self.sizes), params)]
-        self.state: dict[Tensor, dict[str, Tensor]] = {}
+        self.param_views = [v.view_as(p) for v, p in zip(self.param.split(sizes), params)]
+        self.grad_views = [v.view_as(p) for v, p in zip(self.grad.split(sizes), params)]
         entry: dict[str, Tensor] = {}
         for name in state[first]:
             if name == "step":
@@ -352,9 +374,9 @@ class _Flat:
                     state[p][name] = entry[name]
                 continue
             entry[name] = torch.cat([state[p][name].reshape(-1) for p in params])
-            for p, view in zip(params, entry[name].split(self.sizes)):
+            for p, view in zip(params, entry[name].split(sizes)):
                 state[p][name] = view.view_as(p)
-        self.state[self.param] = entry
+        self.state = {self.param: entry}
 
     @staticmethod
     def adoptable(params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> bool:
@@ -365,7 +387,8 @@ class _Flat:
         steps = torch.stack([state[p]["step"] for p in params])
         return bool((steps == steps[0]).all())
 
-    def release(self, state: dict[Tensor, dict[str, Tensor]]) -> None:
+    @staticmethod
+    def release(state: dict[Tensor, dict[str, Tensor]]) -> None:
         """Give every parameter its own step counter back (per-tensor kernels advance each)."""
         for entry in state.values():
             if "step" in entry:
@@ -373,30 +396,37 @@ class _Flat:
 
 
 class FunctionalOptimizer:
-    """What the functional optimizers share: their state, their flags and their one ``step``."""
+    """What the functional optimizers share. Each one is a dataclass of its constructor's
+    arguments (which keep the constructor's values; ``defaults`` holds the ones ``step`` uses)."""
 
-    kind = ""
+    kind: ClassVar[str] = ""
+    torch_class: ClassVar[type]  # whose constructor checks the hyperparameters
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    params: list[Tensor]
 
-    def __init__(self, params: list[Tensor], defaults: dict[str, float], **flags: bool) -> None:
-        self.params = params
-        self.defaults = defaults
-        self.flags = flags
+    def __post_init__(self) -> None:
+        hyper = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del hyper["params"]
+        # torch.optim's own checks (and messages), on a one-element probe.
+        self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)
+        self.defaults = flat_hparams(hyper)
+        self.flags = {k: bool(v) for k, v in hyper.items() if isinstance(v, bool) or v is None}
         self.state = {}
-        first = params[0] if params else None
+        first = self.params[0] if self.params else None
         # Flat stepping pays off for fused Adam/AdamW over many small real tensors of one kind
         # (SGD's update is too cheap to win back the copies).
         self._flattens = (
-            type(self).kind in ("adam", "adamw")
-            and bool(flags.get("fused"))
+            self.kind in ("adam", "adamw")
+            and self.flags.get("fused", False)
             and first is not None
-            and len(params) > 1
-            and sum(p.numel() for p in params) <= FLAT_MAX_MEAN_NUMEL * len(params)
+            and len(self.params) > 1
+            and sum(p.numel() for p in self.params) <= FLAT_MAX_MEAN_NUMEL * len(self.params)
             and all(
                 p.dtype == first.dtype
                 and p.device == first.device
                 and p.layout == torch.strided
                 and not torch.is_complex(p)
-                for p in params
+                for p in self.params
             )
         )
 
@@ -413,12 +443,6 @@ class FunctionalOptimizer:
         self._state = value
         self._flat: _Flat | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        flags = self.__dict__.get("flags", {})
-        if name in flags:  # opt.foreach, opt.fused, opt.amsgrad, ...
-            return flags[name]
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-
     def step(self, gradients: list[Tensor | None]) -> None:
         """Update every parameter whose gradient is not ``None``, in place.
 
@@ -428,20 +452,12 @@ class FunctionalOptimizer:
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
-
-        Example:
-            >>> import torch
-            >>> opt = FunctionalAdam([torch.zeros(1)])
-            >>> opt.step([None])
-            >>> opt.state  # no gradient yet: no state either
-            {}
         """
         _check_count(len(self.params), len(gradients))
         if self._flattens and all(g is not None for g in gradients):
             if self._flat is None and _Flat.adoptable(self.params, self.state):
                 self._flat = _Flat(self.params, self.state)
-            if self._flat is not None:
-                flat = self._flat
+            if (flat := self._flat) is not None:
                 # Copied in every step: the parameters may have changed since the last one.
                 with torch.no_grad():
                     torch._foreach_copy_(flat.param_views, self.params)
@@ -452,456 +468,198 @@ class FunctionalOptimizer:
                     torch._foreach_copy_(self.params, flat.param_views)
                 return
         if self._flat is not None:
-            self._flat.release(self.state)
+            _Flat.release(self.state)
             self._flat = None
         _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
 
     def scriptable(self) -> Scriptable:
-        """The same optimizer (same parameters, state and hyperparameters) as a
-        :class:`Scriptable`, the class ``torch.jit.script`` compiles.
+        """This optimizer as a :class:`Scriptable` sharing its containers (what TorchScript
+        compiles).
 
         Returns:
-            A :class:`Scriptable` sharing this optimizer's containers.
+            The :class:`Scriptable`.
         """
         return Scriptable(self.kind, self.params, self.state, self.defaults, self.flags)
 
 
-def _check_adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    _check(lr >= 0.0, f"Invalid learning rate: {lr}")
-    _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
-    _check(0.0 <= betas[0] < 1.0, f"Invalid beta parameter at index 0: {betas[0]}")
-    _check(0.0 <= betas[1] < 1.0, f"Invalid beta parameter at index 1: {betas[1]}")
-    _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
+_functional = dataclasses.dataclass(eq=False, repr=False)
 
 
+@_functional
 class FunctionalSGD(FunctionalOptimizer):
-    """SGD; matches ``torch.optim.SGD``.
+    """SGD; matches ``torch.optim.SGD``."""
 
-    Args:
-        params: Parameters to update in place.
-        lr: Learning rate.
-        momentum: Momentum factor.
-        dampening: Dampening for momentum.
-        weight_decay: L2 penalty.
-        nesterov: Nesterov momentum.
-        maximize: Ascend instead of descend.
-        foreach: Multi-tensor kernels (eager only).
-        fused: Fused kernels (eager only).
-
-    Example:
-        >>> import torch
-        >>> p, q = torch.ones(2), torch.ones(2)
-        >>> FunctionalSGD([p, q], lr=0.5).step([torch.ones(2), None])
-        >>> p, q  # q had no gradient: left alone
-        (tensor([0.5000, 0.5000]), tensor([1., 1.]))
-    """
-
-    kind = "sgd"
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        maximize: bool = False,
-        foreach: bool = False,
-        fused: bool = False,
-    ) -> None:
-        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
-        _check(momentum >= 0.0, f"Invalid momentum value: {momentum}")
-        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
-        _check(
-            not nesterov or (momentum > 0.0 and dampening == 0.0),
-            "Nesterov momentum requires a momentum and zero dampening",
-        )
-        hyper = {
-            "lr": lr,
-            "momentum": momentum,
-            "dampening": dampening,
-            "weight_decay": weight_decay,
-        }
-        flags = {"nesterov": nesterov, "maximize": maximize, "foreach": foreach, "fused": fused}
-        super().__init__(params, hyper, **flags)
+    kind, torch_class = "sgd", torch.optim.SGD
+    params: list[Tensor]
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    maximize: bool = False
+    foreach: bool = False
+    fused: bool = False
 
 
+@_functional
 class FunctionalAdam(FunctionalOptimizer):
-    """Adam; matches ``torch.optim.Adam``.
+    """Adam; matches ``torch.optim.Adam``."""
 
-    Args:
-        params: Parameters to update in place.
-        lr: Learning rate.
-        betas: Coefficients of the running averages of the gradient and its square.
-        eps: Term added to the denominator.
-        weight_decay: L2 penalty (decoupled if ``decoupled_weight_decay``).
-        amsgrad: Use the AMSGrad variant.
-        maximize: Ascend instead of descend.
-        foreach: Multi-tensor kernels (eager only).
-        fused: Fused kernels (eager only).
-        decoupled_weight_decay: AdamW-style weight decay.
-
-    Example:
-        >>> import torch
-        >>> p = torch.zeros(1)
-        >>> FunctionalAdam([p], lr=0.1).step([torch.ones(1)])
-        >>> p
-        tensor([-0.1000])
-    """
-
-    kind = "adam"
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        maximize: bool = False,
-        foreach: bool = False,
-        fused: bool = False,
-        decoupled_weight_decay: bool = False,
-    ) -> None:
-        _check_adam(lr, betas, eps, weight_decay)
-        hyper = {
-            "lr": lr,
-            "beta1": betas[0],
-            "beta2": betas[1],
-            "eps": eps,
-            "weight_decay": weight_decay,
-        }
-        flags = {"amsgrad": amsgrad, "maximize": maximize, "foreach": foreach, "fused": fused}
-        super().__init__(params, hyper, decoupled_weight_decay=decoupled_weight_decay, **flags)
+    kind, torch_class = "adam", torch.optim.Adam
+    params: list[Tensor]
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    maximize: bool = False
+    foreach: bool = False
+    fused: bool = False
+    decoupled_weight_decay: bool = False
 
 
+@_functional
 class FunctionalAdamW(FunctionalOptimizer):
-    """AdamW; matches ``torch.optim.AdamW``.
+    """AdamW; matches ``torch.optim.AdamW``."""
 
-    Args:
-        params: Parameters to update in place.
-        lr: Learning rate.
-        betas: Coefficients of the running averages of the gradient and its square.
-        eps: Term added to the denominator.
-        weight_decay: Decoupled weight-decay coefficient.
-        amsgrad: Use the AMSGrad variant.
-        maximize: Ascend instead of descend.
-        foreach: Multi-tensor kernels (eager only).
-        fused: Fused kernels (eager only).
-
-    Example:
-        >>> import torch
-        >>> p = torch.zeros(1)
-        >>> FunctionalAdamW([p], lr=0.1).step([torch.ones(1)])
-        >>> p
-        tensor([-0.1000])
-    """
-
-    kind = "adamw"
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        maximize: bool = False,
-        foreach: bool = False,
-        fused: bool = False,
-    ) -> None:
-        _check_adam(lr, betas, eps, weight_decay)
-        hyper = {
-            "lr": lr,
-            "beta1": betas[0],
-            "beta2": betas[1],
-            "eps": eps,
-            "weight_decay": weight_decay,
-        }
-        flags = {"amsgrad": amsgrad, "maximize": maximize, "foreach": foreach, "fused": fused}
-        super().__init__(params, hyper, **flags)
+    kind, torch_class = "adamw", torch.optim.AdamW
+    params: list[Tensor]
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    amsgrad: bool = False
+    maximize: bool = False
+    foreach: bool = False
+    fused: bool = False
 
 
+@_functional
 class FunctionalAdagrad(FunctionalOptimizer):
-    """Adagrad; matches ``torch.optim.Adagrad`` (whose state exists from construction on).
+    """Adagrad; matches ``torch.optim.Adagrad`` (whose state exists from construction on)."""
 
-    Args:
-        params: Parameters to update in place.
-        lr: Learning rate.
-        lr_decay: Learning-rate decay.
-        weight_decay: L2 penalty.
-        initial_accumulator_value: Starting value of the sum of squares.
-        eps: Term added to the denominator.
-        maximize: Ascend instead of descend.
-        foreach: Multi-tensor kernels (eager only).
-        fused: Fused kernels (eager only).
+    kind, torch_class = "adagrad", torch.optim.Adagrad
+    params: list[Tensor]
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+    maximize: bool = False
+    foreach: bool = False
+    fused: bool = False
 
-    Example:
-        >>> import torch
-        >>> p = torch.zeros(1)
-        >>> FunctionalAdagrad([p], lr=0.1).step([torch.ones(1)])
-        >>> p
-        tensor([-0.1000])
-    """
-
-    kind = "adagrad"
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float = 1e-2,
-        lr_decay: float = 0.0,
-        weight_decay: float = 0.0,
-        initial_accumulator_value: float = 0.0,
-        eps: float = 1e-10,
-        maximize: bool = False,
-        foreach: bool = False,
-        fused: bool = False,
-    ) -> None:
-        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
-        _check(lr_decay >= 0.0, f"Invalid lr_decay value: {lr_decay}")
-        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
-        _check(
-            initial_accumulator_value >= 0.0,
-            f"Invalid initial_accumulator_value value: {initial_accumulator_value}",
-        )
-        _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
-        hyper = {
-            "lr": lr,
-            "lr_decay": lr_decay,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "initial_accumulator_value": initial_accumulator_value,
-        }
-        super().__init__(params, hyper, maximize=maximize, foreach=foreach, fused=fused)
-        # torch.optim.Adagrad creates its state at construction; so do we, for equal state_dicts.
-        fills = [0.0, initial_accumulator_value]
-        _collect(self.params, list(self.params), self.state, ["step", "sum"], fills, fused)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fills = [0.0, self.initial_accumulator_value]
+        _collect(self.params, list(self.params), self.state, ["step", "sum"], fills, self.fused)
 
 
+@_functional
 class FunctionalRMSprop(FunctionalOptimizer):
-    """RMSprop; matches ``torch.optim.RMSprop``.
+    """RMSprop; matches ``torch.optim.RMSprop``."""
 
-    Args:
-        params: Parameters to update in place.
-        lr: Learning rate.
-        alpha: Smoothing constant.
-        eps: Term added to the denominator.
-        weight_decay: L2 penalty.
-        momentum: Momentum factor.
-        centered: Normalize by an estimate of the gradient's variance.
-        maximize: Ascend instead of descend.
-        foreach: Multi-tensor kernels (eager only).
-
-    Example:
-        >>> import torch
-        >>> p = torch.zeros(1)
-        >>> FunctionalRMSprop([p], lr=0.01).step([torch.ones(1)])
-        >>> p
-        tensor([-0.1000])
-    """
-
-    kind = "rmsprop"
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float = 1e-2,
-        alpha: float = 0.99,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        momentum: float = 0.0,
-        centered: bool = False,
-        maximize: bool = False,
-        foreach: bool = False,
-    ) -> None:
-        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
-        _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
-        _check(momentum >= 0.0, f"Invalid momentum value: {momentum}")
-        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
-        _check(alpha >= 0.0, f"Invalid alpha value: {alpha}")
-        hyper = {
-            "lr": lr,
-            "alpha": alpha,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "momentum": momentum,
-        }
-        super().__init__(params, hyper, centered=centered, maximize=maximize, foreach=foreach)
+    kind, torch_class = "rmsprop", torch.optim.RMSprop
+    params: list[Tensor]
+    lr: float = 1e-2
+    alpha: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    centered: bool = False
+    maximize: bool = False
+    foreach: bool = False
 
 
+@_functional
 class FunctionalAdamax(FunctionalOptimizer):
-    """Adamax; matches ``torch.optim.Adamax``.
+    """Adamax; matches ``torch.optim.Adamax``."""
 
-    Args:
-        params: Parameters to update in place.
-        lr: Learning rate.
-        betas: Coefficients of the running average and the infinity norm.
-        eps: Term added to the denominator.
-        weight_decay: L2 penalty.
-        maximize: Ascend instead of descend.
-        foreach: Multi-tensor kernels (eager only).
-
-    Example:
-        >>> import torch
-        >>> p = torch.zeros(1)
-        >>> FunctionalAdamax([p], lr=0.1).step([torch.ones(1)])
-        >>> p
-        tensor([-0.1000])
-    """
-
-    kind = "adamax"
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float = 2e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        maximize: bool = False,
-        foreach: bool = False,
-    ) -> None:
-        _check_adam(lr, betas, eps, weight_decay)
-        hyper = {
-            "lr": lr,
-            "beta1": betas[0],
-            "beta2": betas[1],
-            "eps": eps,
-            "weight_decay": weight_decay,
-        }
-        super().__init__(params, hyper, maximize=maximize, foreach=foreach)
+    kind, torch_class = "adamax", torch.optim.Adamax
+    params: list[Tensor]
+    lr: float = 2e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    maximize: bool = False
+    foreach: bool = False
 
 
+@_functional
 class FunctionalAdadelta(FunctionalOptimizer):
-    """Adadelta; matches ``torch.optim.Adadelta``.
+    """Adadelta; matches ``torch.optim.Adadelta``."""
 
-    Args:
-        params: Parameters to update in place.
-        lr: Coefficient that scales the delta.
-        rho: Coefficient of the running averages.
-        eps: Term added to the denominator.
-        weight_decay: L2 penalty.
-        maximize: Ascend instead of descend.
-        foreach: Multi-tensor kernels (eager only).
-
-    Example:
-        >>> import torch
-        >>> p = torch.zeros(1)
-        >>> FunctionalAdadelta([p], lr=1.0).step([torch.ones(1)])
-        >>> bool(p < 0)
-        True
-    """
-
-    kind = "adadelta"
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float = 1.0,
-        rho: float = 0.9,
-        eps: float = 1e-6,
-        weight_decay: float = 0.0,
-        maximize: bool = False,
-        foreach: bool = False,
-    ) -> None:
-        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
-        _check(0.0 <= rho <= 1.0, f"Invalid rho value: {rho}")
-        _check(eps >= 0.0, f"Invalid epsilon value: {eps}")
-        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
-        hyper = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, hyper, maximize=maximize, foreach=foreach)
+    kind, torch_class = "adadelta", torch.optim.Adadelta
+    params: list[Tensor]
+    lr: float = 1.0
+    rho: float = 0.9
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    maximize: bool = False
+    foreach: bool = False
 
 
+@_functional
 class FunctionalRprop(FunctionalOptimizer):
-    """Rprop; matches ``torch.optim.Rprop``.
+    """Rprop; matches ``torch.optim.Rprop``."""
 
-    Args:
-        params: Parameters to update in place.
-        lr: Initial step size (read when a parameter's state is created).
-        etas: Multiplicative decrease and increase factors.
-        step_sizes: Minimal and maximal step sizes.
-        maximize: Ascend instead of descend.
-        foreach: Multi-tensor kernels (eager only).
-
-    Example:
-        >>> import torch
-        >>> p = torch.zeros(1)
-        >>> FunctionalRprop([p], lr=0.1).step([torch.ones(1)])
-        >>> p
-        tensor([-0.1000])
-    """
-
-    kind = "rprop"
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float = 1e-2,
-        etas: tuple[float, float] = (0.5, 1.2),
-        step_sizes: tuple[float, float] = (1e-6, 50.0),
-        maximize: bool = False,
-        foreach: bool = False,
-    ) -> None:
-        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
-        _check(0.0 < etas[0] < 1.0 < etas[1], f"Invalid eta values: {etas[0]}, {etas[1]}")
-        hyper = {
-            "lr": lr,
-            "etaminus": etas[0],
-            "etaplus": etas[1],
-            "step_size_min": step_sizes[0],
-            "step_size_max": step_sizes[1],
-        }
-        super().__init__(params, hyper, maximize=maximize, foreach=foreach)
+    kind, torch_class = "rprop", torch.optim.Rprop
+    params: list[Tensor]
+    lr: float = 1e-2
+    etas: tuple[float, float] = (0.5, 1.2)
+    step_sizes: tuple[float, float] = (1e-6, 50.0)
+    maximize: bool = False
+    foreach: bool = False
 
 
+@_functional
 class FunctionalQHM(FunctionalOptimizer):
-    """Quasi-hyperbolic momentum, the functional twin of :class:`metadist.optim.QHM`.
+    """Quasi-hyperbolic momentum, the functional twin of :class:`metadist.optim.QHM`."""
 
-    Args:
-        params: Parameters to update in place.
-        lr: Learning rate.
-        momentum: Momentum factor in ``[0, 1)``.
-        nu: Immediate discount factor.
-        weight_decay: Weight-decay factor.
-        weight_decay_type: ``"grad"`` or ``"direct"`` (see :func:`metadist.optim.qhm.qhm`).
-        maximize: Ascend instead of descend.
-        foreach: Multi-tensor kernels (eager only).
+    kind, torch_class = "qhm", QHM
+    params: list[Tensor]
+    lr: float
+    momentum: float
+    nu: float
+    weight_decay: float = 0.0
+    weight_decay_type: str = "grad"
+    maximize: bool = False
+    foreach: bool = False
 
-    Example:
-        >>> import torch
-        >>> p = torch.zeros(1)
-        >>> FunctionalQHM([p], lr=1.0, momentum=0.5, nu=1.0).step([torch.ones(1)])
-        >>> p  # the dampened buffer: 0.5 * 0 + 0.5 * 1
-        tensor([-0.5000])
-    """
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.flags["direct_weight_decay"] = self.weight_decay_type == "direct"
 
-    kind = "qhm"
 
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float,
-        momentum: float,
-        nu: float,
-        weight_decay: float = 0.0,
-        weight_decay_type: str = "grad",
-        maximize: bool = False,
-        foreach: bool = False,
-    ) -> None:
-        _check(lr >= 0.0, f"Invalid learning rate: {lr}")
-        _check(0.0 <= momentum < 1.0, f"Invalid momentum value: {momentum}")
-        _check(weight_decay >= 0.0, f"Invalid weight_decay value: {weight_decay}")
-        _check(
-            weight_decay_type in ("grad", "direct"),
-            f"Invalid weight_decay_type value: {weight_decay_type}",
-        )
-        hyper = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
-        direct = weight_decay_type == "direct"
-        super().__init__(
-            params, hyper, direct_weight_decay=direct, maximize=maximize, foreach=foreach
-        )
-        self.weight_decay_type = weight_decay_type
+_ARGS = {
+    "params": "Parameters to update in place.",
+    "lr": "Learning rate (Adadelta: the delta's scale; Rprop: the initial step size).",
+    "momentum": "Momentum factor.",
+    "dampening": "Dampening for momentum.",
+    "weight_decay": "Weight decay: L2 penalty, decoupled in AdamW (and Adam's "
+    "``decoupled_weight_decay``).",
+    "nesterov": "Nesterov momentum.",
+    "betas": "Coefficients of the running averages (Adamax: of the gradient and its infinity "
+    "norm).",
+    "eps": "Term added to the denominator.",
+    "amsgrad": "Use the AMSGrad variant.",
+    "lr_decay": "Learning-rate decay.",
+    "initial_accumulator_value": "Starting value of the sum of squares.",
+    "alpha": "Smoothing constant.",
+    "centered": "Normalize by an estimate of the gradient's variance.",
+    "rho": "Coefficient of the running averages.",
+    "etas": "Multiplicative decrease and increase factors.",
+    "step_sizes": "Minimal and maximal step sizes.",
+    "nu": "Immediate discount factor.",
+    "weight_decay_type": '``"grad"`` or ``"direct"`` (see :func:`metadist.optim.qhm`).',
+    "maximize": "Ascend instead of descend.",
+    "foreach": "Multi-tensor kernels (eager only).",
+    "fused": "Fused kernels (eager only).",
+    "decoupled_weight_decay": "AdamW-style weight decay.",
+}
+# One description per argument name, shared by every class that takes it.
+for _cls in FunctionalOptimizer.__subclasses__():
+    _cls.__doc__ = "\n".join(
+        [inspect.cleandoc(_cls.__doc__ or ""), "", "Args:"]
+        + [f"    {f.name}: {_ARGS[f.name]}" for f in dataclasses.fields(_cls)]
+    )

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from metadist.optim.distributed import DistributedOptimizer
+from metadist.optim.distributed import DistributedOptimizer, check_optimizer
 
 __all__ = ["DistributedGradScaler"]
 
@@ -155,7 +155,7 @@ class DistributedGradScaler:
             ``scaler.unscale_(opt, cid)``, then ``clip_grad_norm_(opt, cid, max_norm=1.0)``, then
             ``scaler.step(opt, cid)``.
         """
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         key = (id(optimizer), context_id)
         if key in self._unscaled:
             raise RuntimeError(
@@ -189,7 +189,7 @@ class DistributedGradScaler:
         Example:
             ``stepped = scaler.step(opt, cid)``, then ``scaler.update()``.
         """
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         key = (id(optimizer), context_id)
         if not self._enabled:
             self._unscaled.pop(key, None)
@@ -289,10 +289,3 @@ def _is_number(value: Any) -> bool:
     # Checked first so that a str or None gives the ValueError naming the argument, not a bare
     # TypeError from the comparison.
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_optimizer(optimizer: Any) -> None:
-    if not isinstance(optimizer, DistributedOptimizer):
-        raise TypeError(
-            f"optimizer must be a metadist DistributedOptimizer, got {type(optimizer).__name__}"
-        )
