@@ -395,13 +395,13 @@ class _Flat:
                 entry["step"] = entry["step"].clone()
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalOptimizer:
     """What the functional optimizers share. Each one is a dataclass of its constructor's
     arguments (which keep the constructor's values; ``defaults`` holds the ones ``step`` uses)."""
 
     kind: ClassVar[str] = ""
     torch_class: ClassVar[type]  # whose constructor checks the hyperparameters
-    __dataclass_fields__: ClassVar[dict[str, Any]]
     params: list[Tensor]
 
     def __post_init__(self) -> None:
@@ -482,15 +482,11 @@ class FunctionalOptimizer:
         return Scriptable(self.kind, self.params, self.state, self.defaults, self.flags)
 
 
-_functional = dataclasses.dataclass(eq=False, repr=False)
-
-
-@_functional
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalSGD(FunctionalOptimizer):
     """SGD; matches ``torch.optim.SGD``."""
 
     kind, torch_class = "sgd", torch.optim.SGD
-    params: list[Tensor]
     lr: float = 1e-3
     momentum: float = 0.0
     dampening: float = 0.0
@@ -501,12 +497,11 @@ class FunctionalSGD(FunctionalOptimizer):
     fused: bool = False
 
 
-@_functional
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalAdam(FunctionalOptimizer):
     """Adam; matches ``torch.optim.Adam``."""
 
     kind, torch_class = "adam", torch.optim.Adam
-    params: list[Tensor]
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -518,12 +513,11 @@ class FunctionalAdam(FunctionalOptimizer):
     decoupled_weight_decay: bool = False
 
 
-@_functional
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalAdamW(FunctionalOptimizer):
     """AdamW; matches ``torch.optim.AdamW``."""
 
     kind, torch_class = "adamw", torch.optim.AdamW
-    params: list[Tensor]
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -534,12 +528,11 @@ class FunctionalAdamW(FunctionalOptimizer):
     fused: bool = False
 
 
-@_functional
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalAdagrad(FunctionalOptimizer):
     """Adagrad; matches ``torch.optim.Adagrad`` (whose state exists from construction on)."""
 
     kind, torch_class = "adagrad", torch.optim.Adagrad
-    params: list[Tensor]
     lr: float = 1e-2
     lr_decay: float = 0.0
     weight_decay: float = 0.0
@@ -555,12 +548,11 @@ class FunctionalAdagrad(FunctionalOptimizer):
         _collect(self.params, list(self.params), self.state, ["step", "sum"], fills, self.fused)
 
 
-@_functional
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalRMSprop(FunctionalOptimizer):
     """RMSprop; matches ``torch.optim.RMSprop``."""
 
     kind, torch_class = "rmsprop", torch.optim.RMSprop
-    params: list[Tensor]
     lr: float = 1e-2
     alpha: float = 0.99
     eps: float = 1e-8
@@ -571,12 +563,11 @@ class FunctionalRMSprop(FunctionalOptimizer):
     foreach: bool = False
 
 
-@_functional
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalAdamax(FunctionalOptimizer):
     """Adamax; matches ``torch.optim.Adamax``."""
 
     kind, torch_class = "adamax", torch.optim.Adamax
-    params: list[Tensor]
     lr: float = 2e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -585,12 +576,11 @@ class FunctionalAdamax(FunctionalOptimizer):
     foreach: bool = False
 
 
-@_functional
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalAdadelta(FunctionalOptimizer):
     """Adadelta; matches ``torch.optim.Adadelta``."""
 
     kind, torch_class = "adadelta", torch.optim.Adadelta
-    params: list[Tensor]
     lr: float = 1.0
     rho: float = 0.9
     eps: float = 1e-6
@@ -599,12 +589,11 @@ class FunctionalAdadelta(FunctionalOptimizer):
     foreach: bool = False
 
 
-@_functional
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalRprop(FunctionalOptimizer):
     """Rprop; matches ``torch.optim.Rprop``."""
 
     kind, torch_class = "rprop", torch.optim.Rprop
-    params: list[Tensor]
     lr: float = 1e-2
     etas: tuple[float, float] = (0.5, 1.2)
     step_sizes: tuple[float, float] = (1e-6, 50.0)
@@ -612,12 +601,11 @@ class FunctionalRprop(FunctionalOptimizer):
     foreach: bool = False
 
 
-@_functional
+@dataclasses.dataclass(eq=False, repr=False)
 class FunctionalQHM(FunctionalOptimizer):
     """Quasi-hyperbolic momentum, the functional twin of :class:`metadist.optim.QHM`."""
 
     kind, torch_class = "qhm", QHM
-    params: list[Tensor]
     lr: float
     momentum: float
     nu: float

@@ -1,10 +1,7 @@
 """Which functional optimizer stands in for which ``torch.optim`` class.
 
-:class:`metadist.optim.DistributedOptimizer` looks ``optimizer_class`` up here and, when it finds
-a functional twin, steps the owners with it (eagerly with torch's fused or multi-tensor kernels,
-or compiled with TorchScript). Unregistered classes still work: the owners then run the
-``torch.optim`` class itself, with ``.grad`` set from the context for exactly the parameters that
-have a gradient in it.
+:class:`metadist.optim.DistributedOptimizer` steps the owners with the functional twin it finds
+here; an unregistered class runs as itself, with ``.grad`` set from the context.
 """
 
 from __future__ import annotations
@@ -15,35 +12,15 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from metadist.optim.functional import (
-    FunctionalAdadelta,
-    FunctionalAdagrad,
-    FunctionalAdam,
-    FunctionalAdamax,
-    FunctionalAdamW,
-    FunctionalQHM,
-    FunctionalRMSprop,
-    FunctionalRprop,
-    FunctionalSGD,
-)
-from metadist.optim.qhm import QHM
+from metadist.optim.functional import FunctionalOptimizer
 
 __all__ = ["get_functional_optimizer", "register_functional_optimizer"]
 
 T = TypeVar("T", bound=type)
 
 _lock = threading.Lock()
-_REGISTRY: dict[type, type] = {
-    torch.optim.SGD: FunctionalSGD,
-    torch.optim.Adam: FunctionalAdam,
-    torch.optim.AdamW: FunctionalAdamW,
-    torch.optim.Adagrad: FunctionalAdagrad,
-    torch.optim.RMSprop: FunctionalRMSprop,
-    torch.optim.Adamax: FunctionalAdamax,
-    torch.optim.Adadelta: FunctionalAdadelta,
-    torch.optim.Rprop: FunctionalRprop,
-    QHM: FunctionalQHM,
-}
+# Each of metadist's functional classes names the class it stands in for.
+_REGISTRY: dict[type, type] = {c.torch_class: c for c in FunctionalOptimizer.__subclasses__()}
 
 
 @overload
@@ -62,16 +39,14 @@ def register_functional_optimizer(
     """Register ``functional_class`` as the functional twin of ``optimizer_class``.
 
     Afterwards ``DistributedOptimizer(optimizer_class, ...)`` steps the owners with
-    ``functional_class``. A later registration for the same ``optimizer_class`` replaces the
-    earlier one. Registration is per process: register at import time of a module every worker
-    imports (the owners receive the functional class by reference).
+    ``functional_class`` (a later registration replaces an earlier one). Registration is per
+    process: register at import time of a module every worker imports.
 
-    A functional class must take ``(params: list[Tensor], **hyperparameters)`` with the
-    hyperparameter names of ``optimizer_class``'s param group, keep ``self.defaults:
-    dict[str, float]`` and ``self.state: dict[Tensor, dict[str, Tensor]]``, and define
-    ``step(gradients: list[Optional[Tensor]])`` where ``None`` means "leave this parameter alone".
-    It is compiled with ``torch.jit.script`` in ``"scripted"`` mode, so keep it TorchScript-
-    compatible.
+    A functional class takes ``(params: list[Tensor], **hyperparameters)`` with the names of
+    ``optimizer_class``'s param group, keeps ``self.defaults: dict[str, float]`` and ``self.state:
+    dict[Tensor, dict[str, Tensor]]``, and defines ``step(gradients: list[Optional[Tensor]])``
+    (``None``: leave this parameter alone). ``"scripted"`` mode compiles it with
+    ``torch.jit.script``, so keep it TorchScript-compatible.
 
     Args:
         optimizer_class: The class users pass to ``DistributedOptimizer``.
@@ -82,8 +57,7 @@ def register_functional_optimizer(
 
     Raises:
         TypeError: If either argument is not a class, or ``functional_class`` has no ``step``
-            method or is a ``torch.optim.Optimizer`` (which reads ``.grad`` and cannot be
-            stepped with a gradient list).
+            method or is a ``torch.optim.Optimizer`` (which reads ``.grad``).
 
     Example:
         >>> import torch
@@ -117,30 +91,21 @@ def register_functional_optimizer(
             _REGISTRY[optimizer_class] = cls
         return cls
 
-    if functional_class is None:
-        return register
-    return register(functional_class)
+    return register if functional_class is None else register(functional_class)
 
 
 def get_functional_optimizer(optimizer_class: type) -> type | None:
-    """Return the functional twin registered for ``optimizer_class``, or ``None``.
-
-    A functional class passed as ``optimizer_class`` maps to itself.
+    """Return the functional twin registered for ``optimizer_class`` (a functional class maps to
+    itself), or ``None``.
 
     Args:
         optimizer_class: A ``torch.optim.Optimizer`` subclass or a functional class.
 
     Returns:
-        The registered functional class, ``optimizer_class`` itself if it already is one, or
-        ``None``.
+        The registered functional class, ``optimizer_class`` itself, or ``None``.
 
     Raises:
         TypeError: If ``optimizer_class`` is not a class.
-
-    Example:
-        >>> import torch
-        >>> get_functional_optimizer(torch.optim.Adam).__name__
-        'FunctionalAdam'
     """
     if not isinstance(optimizer_class, type):
         raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")

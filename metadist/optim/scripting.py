@@ -65,15 +65,6 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
     Raises:
         TypeError: If ``optim`` is not a functional optimizer instance.
         ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
-
-    Example:
-        >>> import torch
-        >>> from metadist.optim import FunctionalSGD
-        >>> p = torch.ones(1)
-        >>> scripted = script_functional_optimizer(FunctionalSGD([p], lr=0.5))
-        >>> scripted.step([torch.ones(1)])
-        >>> p, scripted.get_defaults()["lr"]
-        (tensor([0.5000]), 0.5)
     """
 
     def __init__(self, optim: Any) -> None:
@@ -89,9 +80,6 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
 
         Args:
             gradients: One gradient per parameter, in parameter order; ``None`` skips it.
-
-        Example:
-            ``scripted.step([g0, None])`` updates the first parameter only.
         """
         self.optim.step(gradients)
 
@@ -101,9 +89,6 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
 
         Returns:
             ``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it.
-
-        Example:
-            ``scripted.get_state()[p]["momentum_buffer"]``
         """
         return self.optim.state
 
@@ -112,10 +97,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         """Replace the held optimizer's state.
 
         Args:
-            state: ``{parameter: {name: tensor}}``, e.g. from :meth:`get_state`.
-
-        Example:
-            ``scripted.set_state({})`` starts every parameter afresh.
+            state: ``{parameter: {name: tensor}}``; ``{}`` starts every parameter afresh.
         """
         self.optim.state = state
 
@@ -125,9 +107,6 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
 
         Returns:
             ``{name: value}``.
-
-        Example:
-            ``scripted.get_defaults()["lr"]``
         """
         return self.optim.defaults
 
@@ -136,10 +115,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         """Replace the held optimizer's float hyperparameters.
 
         Args:
-            defaults: ``{name: value}``, e.g. a new ``lr`` from a scheduler.
-
-        Example:
-            ``scripted.set_defaults({**scripted.get_defaults(), "lr": 0.1})``
+            defaults: ``{name: value}``, e.g. with a new ``lr`` from a scheduler.
         """
         self.optim.defaults = defaults
 
@@ -156,12 +132,10 @@ def script_functional_optimizer(optim: Any) -> Any:
         ``set_state``, ``get_defaults`` and ``set_defaults`` run in TorchScript.
 
     Raises:
-        TypeError: If ``optim`` is not a functional optimizer instance (a class, a
-            ``torch.optim.Optimizer``, or an object without ``step``, ``state`` or ``defaults``).
-            Checked before anything is compiled.
+        TypeError: If ``optim`` is not a functional optimizer instance (checked before compiling).
         ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
         RuntimeError: If this torch cannot script at all (naming the torch version and the
-            eager alternative), or cannot compile this class (torch's message says where).
+            eager alternative), or cannot compile this class.
 
     Example:
         >>> import torch
@@ -169,8 +143,8 @@ def script_functional_optimizer(optim: Any) -> Any:
         >>> p = torch.zeros(1)
         >>> scripted = script_functional_optimizer(FunctionalAdam([p], lr=0.1))
         >>> scripted.step([torch.ones(1)])
-        >>> p
-        tensor([-0.1000])
+        >>> p, scripted.get_defaults()["lr"]
+        (tensor([-0.1000]), 0.1)
     """
     _check_functional_optimizer(optim)
     works, problem = torchscript_status()
@@ -184,10 +158,8 @@ def script_functional_optimizer(optim: Any) -> Any:
 
 
 def _check_functional_optimizer(optim: Any) -> None:
-    """Raise a clear error unless ``optim`` is a scriptable functional optimizer instance.
-
-    TorchScript would otherwise fail with a compile error about a missing attribute.
-    """
+    """Raise a clear error unless ``optim`` is a scriptable functional optimizer instance
+    (TorchScript would fail with a compile error about a missing attribute)."""
     expected = (
         "a functional optimizer instance (with step(gradients), a state dict and a defaults "
         "dict), e.g. FunctionalAdam(params, lr=0.1)"
@@ -201,15 +173,12 @@ def _check_functional_optimizer(optim: Any) -> None:
             f"optim must be {expected}, got the torch.optim.Optimizer {type(optim).__name__}, "
             "which reads .grad; use its functional twin (see get_functional_optimizer)"
         )
-    lacking = [
-        what
-        for what, ok in (
-            ("step", callable(getattr(optim, "step", None))),
-            ("state", isinstance(getattr(optim, "state", None), dict)),
-            ("defaults", isinstance(getattr(optim, "defaults", None), dict)),
-        )
-        if not ok
-    ]
+    has = {
+        "step": callable(getattr(optim, "step", None)),
+        "state": isinstance(getattr(optim, "state", None), dict),
+        "defaults": isinstance(getattr(optim, "defaults", None), dict),
+    }
+    lacking = [name for name, ok in has.items() if not ok]
     if lacking:
         raise TypeError(
             f"optim must be {expected}, got {optim!r:.100} of type {type(optim).__name__}, "
