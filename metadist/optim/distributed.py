@@ -40,21 +40,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     are serialized per owner.
 
     Each owner runs the functional twin of ``optimizer_class`` (see
-    :func:`register_functional_optimizer`) in one of these modes:
-
-    * ``"eager"``: torch's ``fused`` kernel where it has one (SGD, Adam, AdamW, Adagrad on CPU
-      floats), else ``foreach`` for many small parameters (mean size <= 32,768 elements), else the
-      per-tensor loop. Only ``foreach``/``fused`` flags left unset (``None``) are picked.
-    * ``"scripted"``: compiled with ``torch.jit.script``, stepped without the GIL (per-tensor
-      loop). Raises where torch can no longer script.
-    * ``"auto"`` (default): ``"eager"`` for classes that accept ``foreach``/``fused`` (all of
-      metadist's); else ``"scripted"`` where TorchScript neither warns nor fails, else ``"eager"``
-      (said once in the ``metadist`` log).
-
-    An ``optimizer_class`` with no functional twin runs as itself on each owner. The object is a
-    ``torch.optim.Optimizer`` with one param group, so ``torch.optim.lr_scheduler`` drives it: the
-    group's float hyperparameters reach the owners with the next step after they change. Its
-    ``state`` stays empty; ``state_dict()`` gathers the owners' state in ``torch.optim`` format.
+    :func:`register_functional_optimizer`) eagerly with torch's fused or multi-tensor kernels
+    (``"eager"``), compiled with TorchScript (``"scripted"``), or as ``"auto"`` picks (rules in
+    the optimizer guide, ``docs/optim.md``); a class with no twin runs as itself. The object is
+    a ``torch.optim.Optimizer`` with one param group, so ``torch.optim.lr_scheduler`` drives it:
+    the group's float hyperparameters reach the owners with the next step after they change.
+    Its ``state`` stays empty; ``state_dict()`` gathers the owners' state.
 
     Args:
         optimizer_class: A ``torch.optim.Optimizer`` subclass (e.g. ``torch.optim.Adam`` or

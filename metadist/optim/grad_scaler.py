@@ -20,10 +20,16 @@ __all__ = ["DistributedGradScaler"]
 T = TypeVar("T")
 
 
+def _positive(value: Any) -> bool:
+    # Checked first so that a str or None gives the ValueError naming the argument, not a bare
+    # TypeError from the comparison.
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
 class DistributedGradScaler:
     """``torch.amp.GradScaler`` for a :class:`DistributedOptimizer`.
 
-    Usage per step: ``scaler.scale(loss)`` before ``dist_autograd.backward``; optionally
+    Per step: ``scaler.scale(loss)`` before the backward pass; optionally
     ``scaler.unscale_(opt, cid)`` then :func:`clip_grad_norm_`; ``scaler.step(opt, cid)``;
     ``scaler.update()``. With gradient accumulation call ``scaler.step`` on every pass (it only
     unscales and checks on the pass that applies) and ``update`` only after that pass, so every
@@ -55,10 +61,9 @@ class DistributedGradScaler:
         ...         metadist.autograd.backward(cid, [scaler.scale(loss)])
         ...         stepped = scaler.step(opt, cid)  # unscales; skips on inf/NaN
         ...         scaler.update()
-        ...     return stepped, w.to_here().detach()
+        ...     return stepped, w.to_here().detach(), scaler.get_scale()
         >>> main()
-        (True, tensor([0.5000, 0.5000, 0.5000]))
-
+        (True, tensor([0.5000, 0.5000, 0.5000]), 1024.0)
     """
 
     def __init__(
@@ -69,11 +74,11 @@ class DistributedGradScaler:
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
-        if not (_is_number(init_scale) and init_scale > 0 and math.isfinite(init_scale)):
+        if not (_positive(init_scale) and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
-        if not (_is_number(growth_factor) and growth_factor > 1.0):
+        if not (_positive(growth_factor) and growth_factor > 1.0):
             raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}")
-        if not (_is_number(backoff_factor) and 0.0 < backoff_factor < 1.0):
+        if not (_positive(backoff_factor) and backoff_factor < 1.0):
             raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
         if not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
@@ -91,21 +96,14 @@ class DistributedGradScaler:
 
         Returns:
             The ``enabled`` flag given at construction.
-
-        Example:
-            ``DistributedGradScaler(enabled=False).is_enabled()`` is ``False``.
         """
         return self._enabled
 
     def get_scale(self) -> float:
-        """Return the current scale factor (``1.0`` when disabled).
+        """Return the current scale factor.
 
         Returns:
-            The scale factor.
-
-        Example:
-            >>> DistributedGradScaler(init_scale=8.0).get_scale()
-            8.0
+            The scale factor (``1.0`` when disabled).
         """
         return self._scale if self._enabled else 1.0
 
@@ -123,8 +121,8 @@ class DistributedGradScaler:
 
         Example:
             >>> import torch
-            >>> DistributedGradScaler(init_scale=4.0).scale(torch.tensor(0.5))
-            tensor(2.)
+            >>> DistributedGradScaler(init_scale=4.0).scale([torch.tensor(0.5)])
+            [tensor(2.)]
         """
         if not self._enabled:
             return outputs
@@ -137,8 +135,8 @@ class DistributedGradScaler:
     def unscale_(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
         """Unscale the gradients ``optimizer.step(context_id)`` will apply, on every owner.
 
-        One request per owner; each owner divides its gradients by the scale and reports whether
-        it saw an inf/NaN. Call before :func:`clip_grad_norm_`. At most once per step.
+        One request per owner; each divides its gradients by the scale and reports whether it
+        saw an inf/NaN. Call before :func:`clip_grad_norm_`, at most once per step.
 
         Args:
             optimizer: The distributed optimizer.
@@ -150,10 +148,6 @@ class DistributedGradScaler:
         Raises:
             TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
             RuntimeError: If called twice for the same step.
-
-        Example:
-            ``scaler.unscale_(opt, cid)``, then ``clip_grad_norm_(opt, cid, max_norm=1.0)``, then
-            ``scaler.step(opt, cid)``.
         """
         check_optimizer(optimizer)
         key = (id(optimizer), context_id)
@@ -161,11 +155,9 @@ class DistributedGradScaler:
             raise RuntimeError(
                 f"unscale_ was already called for context {context_id} since the last step"
             )
-        if not self._enabled:
-            self._unscaled[key] = False
-            return False
-        results = optimizer.stage_gradients(context_id, inv_scale=1.0 / self._scale)
-        found = any(f for f, _ in results)
+        found = self._enabled and any(
+            f for f, _ in optimizer.stage_gradients(context_id, inv_scale=1.0 / self._scale)
+        )
         self._unscaled[key] = found
         return found
 
@@ -185,9 +177,6 @@ class DistributedGradScaler:
 
         Raises:
             TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
-
-        Example:
-            ``stepped = scaler.step(opt, cid)``, then ``scaler.update()``.
         """
         check_optimizer(optimizer)
         key = (id(optimizer), context_id)
@@ -198,11 +187,9 @@ class DistributedGradScaler:
         if not optimizer.next_step_applies and key not in self._unscaled:
             optimizer.step(context_id)
             return False
-        found = self._unscaled.pop(key, None)
-        if found is None:
-            found = self.unscale_(optimizer, context_id)
-            self._unscaled.pop(key, None)
-        if found:
+        if key not in self._unscaled:
+            self.unscale_(optimizer, context_id)
+        if self._unscaled.pop(key):
             self._found_inf_since_update = True
             optimizer.skip(context_id)
             return False
@@ -227,7 +214,7 @@ class DistributedGradScaler:
             return
         self._unscaled.clear()
         if new_scale is not None:
-            if not (_is_number(new_scale) and new_scale > 0 and math.isfinite(new_scale)):
+            if not (_positive(new_scale) and math.isfinite(new_scale)):
                 raise ValueError(f"new_scale must be a positive finite number, got {new_scale!r}")
             self._scale = float(new_scale)
             self._growth_tracker = 0
@@ -247,10 +234,6 @@ class DistributedGradScaler:
         Returns:
             ``{"scale", "growth_factor", "backoff_factor", "growth_interval",
             "_growth_tracker"}`` values.
-
-        Example:
-            >>> DistributedGradScaler(init_scale=2.0).state_dict()["scale"]
-            2.0
         """
         return {
             "scale": self._scale,
@@ -270,10 +253,10 @@ class DistributedGradScaler:
             ValueError: If a key is missing.
 
         Example:
-            >>> s = DistributedGradScaler(); s.load_state_dict({"scale": 4.0, "growth_factor": 2.0,
-            ...     "backoff_factor": 0.5, "growth_interval": 10, "_growth_tracker": 3})
+            >>> s = DistributedGradScaler()
+            >>> s.load_state_dict(DistributedGradScaler(init_scale=2.0).state_dict())
             >>> s.get_scale()
-            4.0
+            2.0
         """
         missing = set(self.state_dict()) - set(state_dict)
         if missing:
@@ -283,9 +266,3 @@ class DistributedGradScaler:
         self.backoff_factor = float(state_dict["backoff_factor"])
         self.growth_interval = int(state_dict["growth_interval"])
         self._growth_tracker = int(state_dict["_growth_tracker"])
-
-
-def _is_number(value: Any) -> bool:
-    # Checked first so that a str or None gives the ValueError naming the argument, not a bare
-    # TypeError from the comparison.
-    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -142,7 +142,18 @@ class QHM(torch.optim.Optimizer):
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        _check_qhm_args(lr, momentum, nu, weight_decay, weight_decay_type)
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if not isinstance(nu, int | float):
+            raise ValueError(f"nu must be a float, got {nu!r}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        if weight_decay_type not in ("grad", "direct"):
+            raise ValueError(
+                f"weight_decay_type must be 'grad' or 'direct', got {weight_decay_type!r}"
+            )
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -166,39 +177,22 @@ class QHM(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: A parameter has a sparse gradient.
-
-        Example:
-            >>> import torch
-            >>> w = torch.nn.Parameter(torch.ones(1))
-            >>> opt = QHM([w], lr=1.0, momentum=0.5, nu=1.0)
-            >>> w.sum().backward(); opt.step(); w.detach()
-            tensor([0.5000])
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            bufs: list[Tensor] = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("QHM does not support sparse gradients")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format
-                    )
-                params.append(p)
-                grads.append(p.grad)
-                bufs.append(state["momentum_buffer"])
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("QHM does not support sparse gradients")
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             qhm(
                 params,
-                grads,
-                bufs,
+                [p.grad for p in params],
+                [self.state[p]["momentum_buffer"] for p in params],
                 lr=float(group["lr"]),
                 momentum=float(group["momentum"]),
                 nu=float(group["nu"]),
@@ -208,18 +202,3 @@ class QHM(torch.optim.Optimizer):
                 foreach=bool(group["foreach"]),
             )
         return loss
-
-
-def _check_qhm_args(
-    lr: float, momentum: float, nu: float, weight_decay: float, weight_decay_type: str
-) -> None:
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr!r}")
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-    if not isinstance(nu, int | float):
-        raise ValueError(f"nu must be a float, got {nu!r}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-    if weight_decay_type not in ("grad", "direct"):
-        raise ValueError(f"weight_decay_type must be 'grad' or 'direct', got {weight_decay_type!r}")
