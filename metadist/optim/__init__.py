@@ -1,14 +1,12 @@
 """Optimizers for metadist: functional (TorchScript-compatible) and distributed.
 
-* One functional optimizer per algorithm (:class:`FunctionalSGD`, :class:`FunctionalAdam`, ...):
-  ``step(gradients)`` with an explicit gradient list, usable eagerly or compiled.
-* :class:`QHM`: quasi-hyperbolic momentum as a ``torch.optim.Optimizer``, with its functional
-  twin :class:`FunctionalQHM`.
+* Functional optimizers (:class:`FunctionalSGD`, :class:`FunctionalAdam`, ...), stepped with an
+  explicit gradient list, eagerly or scripted (:func:`script_functional_optimizer`; nothing is
+  compiled at import); :func:`register_functional_optimizer` plugs in your own.
+* :class:`QHM`: quasi-hyperbolic momentum as a ``torch.optim.Optimizer`` (twin:
+  :class:`FunctionalQHM`).
 * :class:`DistributedOptimizer`: steps parameters on their owners from a distributed-autograd
   context; :class:`DistributedGradScaler` and :func:`clip_grad_norm_` work across owners.
-* :func:`register_functional_optimizer`: plug in a functional twin for your own optimizer.
-
-Nothing is compiled at import; scripting happens on first use of ``mode="scripted"``.
 
 Example:
     >>> import torch

@@ -146,11 +146,9 @@ class LocalOptimizer:
 
     def _get(self, name: str) -> Any:
         """The optimizer's ``state`` or ``defaults`` (a scripted module's come by method)."""
-        return (
-            getattr(self.optim, f"get_{name}")()
-            if self.mode == "scripted"
-            else (getattr(self.optim, name))
-        )
+        if self.mode == "scripted":
+            return getattr(self.optim, f"get_{name}")()
+        return getattr(self.optim, name)
 
     def _set(self, name: str, value: Any) -> None:
         if self.mode == "scripted":
