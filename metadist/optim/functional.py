@@ -619,16 +619,15 @@ class FunctionalQHM(FunctionalOptimizer):
         self.flags["direct_weight_decay"] = self.weight_decay_type == "direct"
 
 
+# Each argument described once for every class that takes it (the Args of their docstrings).
 _ARGS = {
     "params": "Parameters to update in place.",
-    "lr": "Learning rate (Adadelta: the delta's scale; Rprop: the initial step size).",
+    "lr": "Learning rate.",
     "momentum": "Momentum factor.",
     "dampening": "Dampening for momentum.",
-    "weight_decay": "Weight decay: L2 penalty, decoupled in AdamW (and Adam's "
-    "``decoupled_weight_decay``).",
+    "weight_decay": "L2 penalty.",
     "nesterov": "Nesterov momentum.",
-    "betas": "Coefficients of the running averages (Adamax: of the gradient and its infinity "
-    "norm).",
+    "betas": "Coefficients of the running averages of the gradient and its square.",
     "eps": "Term added to the denominator.",
     "amsgrad": "Use the AMSGrad variant.",
     "lr_decay": "Learning-rate decay.",
@@ -645,9 +644,21 @@ _ARGS = {
     "fused": "Fused kernels (eager only).",
     "decoupled_weight_decay": "AdamW-style weight decay.",
 }
-# One description per argument name, shared by every class that takes it.
+# Where a class means something else by a name.
+_ARGS_OF = {
+    (FunctionalAdam, "weight_decay"): "L2 penalty (decoupled if ``decoupled_weight_decay``).",
+    (FunctionalAdamW, "weight_decay"): "Decoupled weight-decay coefficient.",
+    (FunctionalQHM, "weight_decay"): "Weight-decay factor (applied as ``weight_decay_type`` says).",
+    (FunctionalAdamax, "betas"): "Coefficients of the running average and the infinity norm.",
+    (FunctionalAdadelta, "lr"): "Coefficient that scales the delta.",
+    (FunctionalRprop, "lr"): "Initial step size (read when a parameter's state is created).",
+    (FunctionalQHM, "momentum"): "Momentum factor in ``[0, 1)``.",
+}
 for _cls in FunctionalOptimizer.__subclasses__():
     _cls.__doc__ = "\n".join(
         [inspect.cleandoc(_cls.__doc__ or ""), "", "Args:"]
-        + [f"    {f.name}: {_ARGS[f.name]}" for f in dataclasses.fields(_cls)]
+        + [
+            f"    {f.name}: {_ARGS_OF.get((_cls, f.name), _ARGS[f.name])}"
+            for f in dataclasses.fields(_cls)
+        ]
     )
