@@ -11,6 +11,7 @@ module-scoped fixture can report every scenario under its own test id (:class:`S
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -200,12 +201,38 @@ def run_command(
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            # torchrun's agent may start its workers in sessions of their own: kill every
+            # descendant too, or they outlive the test holding the pipes open.
+            doomed = _descendants(process.pid)
             os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
+            for pid in doomed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            stdout, stderr = process.communicate(timeout=30)
             raise TimeoutError(
                 f"{' '.join(command)} exceeded {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr}"
             ) from None
     return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids of every live descendant of ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
 
 
 def _socket_inodes(pid: int) -> set[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-from _dist import REPO
+from _dist import REPO, run_command
 
 from metadist.network import free_loopback_port
 
@@ -170,3 +170,27 @@ def test_call_in_flight_at_shutdown_fails_the_job_instead_of_hanging(tmp_path: P
     assert code != 0, text
     assert "remote calls were still running 3 s after every worker finished its job" in text
     assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+# A process that starts a grandchild in a session of its own (as torchrun's agent may start its
+# workers), prints the grandchild's pid and waits; the grandchild holds the pipes open.
+_ESCAPING_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                         start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_timed_out_command_leaves_no_process_behind() -> None:
+    # The tests' launcher must not let a hung job outlive its test (it would hold ports and CPU
+    # for every later test): on timeout it kills descendants in other sessions too.
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as raised:
+        run_command([sys.executable, "-c", _ESCAPING_CHILD], timeout=3)
+    assert time.monotonic() - start < 40
+    stdout = str(raised.value).split("stdout:\n", 1)[1]
+    grandchild = int(stdout.split()[0])
+    assert _wait_gone([grandchild], 10) < 10, f"process {grandchild} outlived the timeout"

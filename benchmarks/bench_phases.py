@@ -1,0 +1,95 @@
+"""Forward and backward time of one 2-worker MAML step, for A/B runs of two metadist versions.
+
+The step is ``bench_overhead``'s sinusoid MAML step as metadist runs it in a world of 2 (rank 0
+drives and computes its half in-process, rank 1 the other half): ``forward`` is the
+``parallelize``d call until its result is back, ``backward`` is ``metadist.autograd.backward``,
+``step`` the whole step with the Adam update. It prints the medians over ``--steps`` steps (after
+10 untimed ones) as one JSON line, tagged with where ``metadist`` was imported from, so that two
+versions can be compared by alternating runs, e.g. main against another checkout::
+
+    python benchmarks/bench_phases.py --tasks 25
+    PYTHONPATH=/path/to/other/checkout python benchmarks/bench_phases.py --tasks 25
+
+Run: ``python benchmarks/bench_phases.py`` (``--tasks``, ``--steps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_overhead as workload  # noqa: E402
+
+import metadist  # noqa: E402
+from metadist.network import free_loopback_port  # noqa: E402
+
+WARMUP = 10
+
+
+def _child(rank: int, port: int, tasks: int, steps: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
+    torch.set_num_threads(1)
+
+    @metadist.auto_init_rpc()
+    def main() -> None:
+        if rank != 0:
+            return
+        model = workload.make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        batch = workload.make_batch(tasks)
+        call = metadist.parallelize(
+            partitioner=metadist.dim_partitioner(0), reducer=metadist.mean_reducer
+        )(workload.module_meta_loss)
+        times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+        for i in range(WARMUP + steps):
+            start = time.perf_counter()
+            opt.zero_grad()
+            with metadist.autograd.context() as ctx:
+                loss = call(model, *batch)
+                forward = time.perf_counter()
+                metadist.autograd.backward(ctx, [loss])
+                backward = time.perf_counter()
+            opt.step()
+            end = time.perf_counter()
+            if i >= WARMUP:
+                times["forward"].append(forward - start)
+                times["backward"].append(backward - forward)
+                times["step"].append(end - start)
+        medians = {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
+        Path(out).write_text(json.dumps(medians))
+
+    main()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=25, help="tasks per meta-batch")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "phases.json")
+        mp.spawn(_child, args=(free_loopback_port(), args.tasks, args.steps, out), nprocs=2)
+        medians = json.loads(Path(out).read_text())
+    source = str(Path(metadist.__file__).resolve().parent.parent)
+    print(json.dumps({"metadist": source, "tasks": args.tasks, "ms": medians}))
+
+
+if __name__ == "__main__":
+    main()
