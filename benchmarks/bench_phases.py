@@ -28,10 +28,10 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_overhead as workload  # noqa: E402
+import bench_overhead as workload
 
-import metadist  # noqa: E402
-from metadist.network import free_loopback_port  # noqa: E402
+import metadist
+from metadist.network import free_loopback_port
 
 WARMUP = 10
 
