@@ -187,7 +187,9 @@ def test_every_option_has_help_and_shows_its_default(parser: argparse.ArgumentPa
     assert "(default: auto)" in text
 
 
-def test_plain_run_resumes_automatically_and_refuses_another_run(tmp_path: Path) -> None:
+def test_plain_run_resumes_automatically_and_refuses_another_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     small = ["--plain", "--tasks", "5", "--hidden", "8", "--no-eval", "--threads", "1"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     sinusoid.main([*small, "--steps", "30", "--out", str(straight)])
@@ -197,6 +199,11 @@ def test_plain_run_resumes_automatically_and_refuses_another_run(tmp_path: Path)
     assert got["step"] == 30
     assert got["history"] == want["history"]
     assert _params_equal(got["model"], want["model"])  # type: ignore[arg-type]
+    # Running a finished run again trains nothing and says so (no "nan ms per step").
+    sinusoid.main([*small, "--steps", "30", "--out", str(split)])
+    out = capsys.readouterr().out
+    assert "no steps run in this process" in out
+    assert "nan" not in out
     # Different options in the same --out: auto-resume refuses rather than mixing two runs.
     with pytest.raises(SystemExit, match="--tasks 5 vs 6"):
         sinusoid.main([*small[:2], "6", *small[3:], "--steps", "40", "--out", str(split)])

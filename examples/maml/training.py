@@ -371,11 +371,16 @@ def training_summary(
         "ms_per_step": statistics.median(ms),
         "ms_per_step_p10_p90": [float(np.percentile(ms, 10)), float(np.percentile(ms, 90))],
     }
+    timing = (
+        f"{len(step_seconds)} steps in {seconds:.1f} s, {summary['ms_per_step']:.2f} ms per step "
+        f"(median; 10-90%: {summary['ms_per_step_p10_p90'][0]:.2f}-"
+        f"{summary['ms_per_step_p10_p90'][1]:.2f})"
+        if step_seconds
+        else "no steps run in this process (the checkpoint was already complete)"
+    )
     print(
         f"meta-train {name}: first {n} steps {summary['first_loss']:.3f}, "
-        f"last {n} steps {summary['last_loss']:.3f}; {len(step_seconds)} steps in {seconds:.1f} s, "
-        f"{summary['ms_per_step']:.2f} ms per step (median; 10-90%: "
-        f"{summary['ms_per_step_p10_p90'][0]:.2f}-{summary['ms_per_step_p10_p90'][1]:.2f})"
+        f"last {n} steps {summary['last_loss']:.3f}; {timing}"
     )
     return summary
 
