@@ -437,6 +437,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: few sizes and steps")
     parser.add_argument("--plot", type=Path, help="save the speed-up plot (PNG) here")
     args = parser.parse_args()
+    # One thread per process, as torchrun starts them: OpenMP reads OMP_NUM_THREADS when torch
+    # loads, so the children must start with it; set later (as _env does), it reaches only the
+    # threads torch starts itself, not RPC handler threads.
+    os.environ["OMP_NUM_THREADS"] = "1"
     cfg = {
         "tasks": [int(t) for t in args.tasks.split(",")],
         "steps": args.steps,

@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=25, help="tasks per meta-batch")
     parser.add_argument("--steps", type=int, default=200, help="timed steps")
     args = parser.parse_args()
+    # One thread per process, as torchrun starts them (OpenMP reads it when torch loads).
+    os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "phases.json")
         mp.spawn(_child, args=(free_loopback_port(), args.tasks, args.steps, out), nprocs=2)

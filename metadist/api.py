@@ -248,6 +248,7 @@ def _run_partition(  # noqa: PLR0917 - the RPC target; positional on the wire
     ``differentiable``: the caller sent tensors that distributed autograd records.
     """
     start = timeline.now() if timed else 0.0
+    world.use_process_threads()  # an RPC handler thread: see world.use_process_threads
     try:
         if needs_decode:
             args, kwargs = transport.decode(args, kwargs)

@@ -10,10 +10,13 @@ results holding parameters, and errors of local and timed-out partitions.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -580,6 +583,32 @@ def dynamic_schedule_errors_name_task_and_worker(world_size: int) -> None:
     assert torch.equal(fut.wait(), torch.arange(6.0) * 2)
 
 
+def openmp_threads() -> int:
+    """OpenMP's team size for parallel regions started on the calling thread."""
+    gomp = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libgomp.so.1"))
+    return int(gomp.omp_get_max_threads())
+
+
+def openmp_threads_of_a_new_thread() -> int:
+    found: list[int] = []
+    thread = threading.Thread(target=lambda: found.append(openmp_threads()))
+    thread.start()
+    thread.join()
+    return found[0]
+
+
+def partitions_use_the_process_thread_count(world_size: int) -> None:
+    # The world's processes run torch.set_num_threads(1) but start without OMP_NUM_THREADS, as
+    # under srun or mp.spawn: a thread torch did not start gets OpenMP's default team (a thread
+    # per core) ...
+    (default,) = md.remote_sync_call(openmp_threads_of_a_new_thread, partitioner=1)
+    assert default == (os.cpu_count() or 1), default
+    # ... but a partition runs with the process's thread count, whichever handler thread
+    # takes it.
+    counts = [md.remote_sync_call(openmp_threads, partitioner=1)[0] for _ in range(40)]
+    assert set(counts) == {torch.get_num_threads()} == {1}, counts
+
+
 SCENARIOS = [
     own_partition_runs_in_process,
     mixed_partitions_equal_local,
@@ -602,6 +631,7 @@ SCENARIOS = [
     nested_fan_out_ten_times_the_pool,
     dynamic_schedule_equals_static,
     dynamic_schedule_errors_name_task_and_worker,
+    partitions_use_the_process_thread_count,
 ]
 
 

@@ -25,6 +25,7 @@ from torch import Tensor
 from metadist.autograd import gradients_here
 from metadist.optim.functional import flat_hparams
 from metadist.optim.scripting import script_functional_optimizer, torchscript_status
+from metadist.world import use_process_threads
 
 __all__: list[str] = []
 
@@ -333,6 +334,7 @@ def create(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> tuple[rpc.RRef[Lo
 
 def call(key: int, method: str, *args: Any) -> Any:
     """Run ``method(*args)`` of the local optimizer ``key`` on this owner (RPC target)."""
+    use_process_threads()  # an RPC handler thread: its update then runs like the caller's
     try:
         local = _LIVE[key]
     except KeyError:
