@@ -464,11 +464,12 @@ def _runtime(api_name: str) -> _Runtime:
 # Threads that torch did not start
 
 # OpenMP keeps its team size per thread. torch applies torch.set_num_threads() to the threads it
-# starts, but RPC handler threads (TensorPipe's pool) and the distributed autograd engine's
-# thread keep OpenMP's default, one thread per core: their parallel ops then spread over every
-# core and contend with the other processes of the node. Measured on 2 cores, one thread per
-# process: a 12-task MAML forward and backward took 2.0-2.3 ms on a handler thread against
-# 1.5 ms on the main thread, and 1.55 ms on the handler thread once aligned.
+# starts, but RPC handler threads (TensorPipe's pool) keep OpenMP's default, one thread per core,
+# unless OMP_NUM_THREADS was set before the process started (torchrun sets it; srun, mpirun and
+# multiprocessing do not). Their parallel ops then spread over every core and contend with the
+# other processes of the node. Measured on 2 cores, one thread per process: a 12-task MAML
+# forward and backward took 2.0-2.3 ms on a handler thread against 1.5 ms on the main thread,
+# and 1.55 ms on the handler thread once aligned.
 _OPENMP = torch.backends.openmp.is_available()
 
 
@@ -476,8 +477,7 @@ def use_process_threads() -> None:
     """Give the calling thread the process's intra-op thread count (``torch.get_num_threads()``).
 
     metadist calls it where it runs user work on a thread torch did not start (a remote call's
-    partition, a distributed backward pass, an owner's optimizer step). It costs well under a
-    microsecond.
+    partition, an owner's optimizer step). It costs well under a microsecond.
     """
     if _OPENMP:
         torch.set_num_threads(torch.get_num_threads())
