@@ -37,15 +37,7 @@ WARMUP = 10
 
 
 def _child(rank: int, port: int, tasks: int, steps: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-    )
-    torch.set_num_threads(1)
+    workload._env(rank, 2, port)  # the same world bench_overhead's variants run in
 
     @metadist.auto_init_rpc()
     def main() -> None:
