@@ -1,12 +1,8 @@
 """Optimizers for metadist: functional (TorchScript-compatible) and distributed.
 
-* Functional optimizers (:class:`FunctionalSGD`, :class:`FunctionalAdam`, ...), stepped with an
-  explicit gradient list, eagerly or scripted (:func:`script_functional_optimizer`; nothing is
-  compiled at import); :func:`register_functional_optimizer` plugs in your own.
-* :class:`QHM`: quasi-hyperbolic momentum as a ``torch.optim.Optimizer`` (twin:
-  :class:`FunctionalQHM`).
-* :class:`DistributedOptimizer`: steps parameters on their owners from a distributed-autograd
-  context; :class:`DistributedGradScaler` and :func:`clip_grad_norm_` work across owners.
+Functional optimizers (:class:`FunctionalSGD`, ..., :class:`FunctionalQHM` for :class:`QHM`),
+stepped with an explicit gradient list, eagerly or scripted; :class:`DistributedOptimizer`, which
+steps parameters on their owners, with :class:`DistributedGradScaler` and :func:`clip_grad_norm_`.
 
 Example:
     >>> import torch

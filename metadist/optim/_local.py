@@ -261,12 +261,8 @@ class LocalOptimizer:
     ) -> None:
         """Replace the optimizer state and the accumulation window (``None``: a fresh one)."""
         with self.lock:
-            for what, given in (("state", states), ("accumulated gradients", accum)):
-                if given is not None and len(given) != len(self.params):
-                    raise ValueError(
-                        f"{what} for {len(given)} parameters sent to an owner of {len(self.params)}"
-                    )
-            # Convert everything first: a bad state must leave this owner as it was.
+            # Convert everything first (the strict zips check the lengths): a bad state must leave
+            # this owner as it was.
             tensors_only = self.mode != "torch"
             new = {
                 p: {k: _as_state(v, p, tensors_only) for k, v in s.items()}
@@ -310,22 +306,15 @@ def create(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> tuple[rpc.RRef[Lo
     """Resolve the RRefs to this owner's tensors, check them and build the local optimizer
     (RPC target, or called in-process by the caller for its own share); return an RRef to it
     and its key."""
-    params: list[Tensor] = []
-    seen: set[int] = set()
-    for i, rref in enumerate(param_rrefs):
-        value = rref.local_value()
+    here, params = rpc.get_worker_info().name, [rref.local_value() for rref in param_rrefs]
+    for i, value in enumerate(params):
         if not isinstance(value, Tensor):
             raise TypeError(
-                f"params_rref entry {i} on {rpc.get_worker_info().name} holds a "
-                f"{type(value).__name__}, expected a torch.Tensor"
+                f"params_rref entry {i} on {here} holds a {type(value).__name__}, expected a "
+                "torch.Tensor"
             )
-        if id(value) in seen:
-            raise ValueError(
-                f"params_rref holds the same tensor twice on {rpc.get_worker_info().name}; "
-                "pass each parameter once"
-            )
-        seen.add(id(value))
-        params.append(value)
+    if len({id(p) for p in params}) < len(params):
+        raise ValueError(f"params_rref holds the same tensor twice on {here}; pass each once")
     local = LocalOptimizer(spec, params)
     key = next(_keys)
     _LIVE[key] = local

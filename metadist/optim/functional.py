@@ -5,12 +5,10 @@
 Each class takes ``(params, <its torch.optim class's hyperparameters>)``, checked by that class's
 own constructor. Float hyperparameters live in ``self.defaults`` (tuples split: ``betas`` ->
 ``beta1``/``beta2``, see :data:`TUPLE_KEYS`), boolean ones in ``self.flags``, and the state in
-``self.state: dict[Tensor, dict[str, Tensor]]``, laid out as ``torch.optim`` lays it out.
-``step(gradients)`` takes one gradient per parameter (``None`` leaves that parameter and its state
-alone) and runs torch's own functional kernel (``torch.optim.adam.adam`` and friends), so results
-match ``torch.optim``. Nothing reads or writes ``.grad``: several threads can step the same
-parameters with different gradients. Eagerly they can use torch's ``foreach`` or ``fused``
-kernels; compiled with :func:`metadist.optim.script_functional_optimizer`, the per-tensor loop.
+``self.state``, laid out as ``torch.optim`` lays it out. ``step(gradients)`` takes one gradient
+per parameter (``None`` leaves that parameter and its state alone) and runs torch's own functional
+kernel (``torch.optim.adam.adam`` and friends), so results match ``torch.optim``. Nothing touches
+``.grad``: several threads can step the same parameters with different gradients.
 
 Example:
     >>> import torch
@@ -18,26 +16,17 @@ Example:
     >>> FunctionalSGD([p, q], lr=0.5).step([torch.ones(2), None])
     >>> p, q  # q had no gradient: left alone
     (tensor([0.5000, 0.5000]), tensor([1., 1.]))
-    >>> p = torch.zeros(1)
-    >>> FunctionalQHM([p], lr=1.0, momentum=0.5, nu=1.0).step([torch.ones(1)])
-    >>> p  # the dampened buffer: 0.5 * 0 + 0.5 * 1
-    tensor([-0.5000])
-    >>> for cls in (FunctionalAdam, FunctionalAdamW, FunctionalAdamax, FunctionalAdagrad,
-    ...             FunctionalRprop):
+    >>> def first_step(cls, **hyper):
     ...     p = torch.zeros(1)
-    ...     cls([p], lr=0.1).step([torch.ones(1)])
-    ...     print(cls.__name__, p)
-    FunctionalAdam tensor([-0.1000])
-    FunctionalAdamW tensor([-0.1000])
-    FunctionalAdamax tensor([-0.1000])
-    FunctionalAdagrad tensor([-0.1000])
-    FunctionalRprop tensor([-0.1000])
-    >>> p = torch.zeros(1)
-    >>> FunctionalRMSprop([p], lr=0.01).step([torch.ones(1)]); p
-    tensor([-0.1000])
-    >>> p = torch.zeros(1)
-    >>> FunctionalAdadelta([p], lr=1.0).step([torch.ones(1)]); bool(p < 0)
-    True
+    ...     cls([p], **hyper).step([torch.ones(1)])
+    ...     return round(float(p), 4)
+    >>> [first_step(c, lr=0.1) for c in (FunctionalAdam, FunctionalAdamW, FunctionalAdamax,
+    ...                                   FunctionalAdagrad, FunctionalRprop)]
+    [-0.1, -0.1, -0.1, -0.1, -0.1]
+    >>> first_step(FunctionalRMSprop, lr=0.01), first_step(FunctionalAdadelta, lr=1.0) < 0
+    (-0.1, True)
+    >>> first_step(FunctionalQHM, lr=1.0, momentum=0.5, nu=1.0)  # dampened: 0.5 * 0 + 0.5 * 1
+    -0.5
 """
 
 from __future__ import annotations
@@ -320,15 +309,8 @@ def _step(
 
 
 class Scriptable:
-    """A functional optimizer as the one class TorchScript compiles (it has no inheritance).
-
-    Args:
-        kind: The algorithm (``"sgd"``, ``"adam"``, ...).
-        params: Parameters to update in place.
-        state: Per-parameter state.
-        defaults: Float hyperparameters.
-        flags: Boolean options.
-    """
+    """A functional optimizer as the one class TorchScript compiles (it has no inheritance): the
+    containers of a :class:`FunctionalOptimizer` and its ``kind`` (``"sgd"``, ``"adam"``, ...)."""
 
     def __init__(
         self,
@@ -473,12 +455,7 @@ class FunctionalOptimizer:
         _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
 
     def scriptable(self) -> Scriptable:
-        """This optimizer as a :class:`Scriptable` sharing its containers (what TorchScript
-        compiles).
-
-        Returns:
-            The :class:`Scriptable`.
-        """
+        """Return this optimizer as a :class:`Scriptable` sharing its containers."""
         return Scriptable(self.kind, self.params, self.state, self.defaults, self.flags)
 
 

@@ -18,6 +18,14 @@ from metadist.optim.distributed import DistributedOptimizer, check_optimizer
 __all__ = ["DistributedGradScaler"]
 
 T = TypeVar("T")
+# state_dict key (torch.amp.GradScaler's) -> attribute and type.
+_STATE: dict[str, tuple[str, type]] = {
+    "scale": ("_scale", float),
+    "growth_factor": ("growth_factor", float),
+    "backoff_factor": ("backoff_factor", float),
+    "growth_interval": ("growth_interval", int),
+    "_growth_tracker": ("_growth_tracker", int),
+}
 
 
 def _positive(value: Any) -> bool:
@@ -29,11 +37,9 @@ def _positive(value: Any) -> bool:
 class DistributedGradScaler:
     """``torch.amp.GradScaler`` for a :class:`DistributedOptimizer`.
 
-    Per step: ``scaler.scale(loss)`` before the backward pass; optionally
-    ``scaler.unscale_(opt, cid)`` then :func:`clip_grad_norm_`; ``scaler.step(opt, cid)``;
-    ``scaler.update()``. With gradient accumulation call ``scaler.step`` on every pass (it only
-    unscales and checks on the pass that applies) and ``update`` only after that pass, so every
-    pass of a window is scaled by the same factor.
+    Per step: ``scale(loss)``, backward, optionally ``unscale_`` then :func:`clip_grad_norm_`,
+    ``step(opt, cid)``, ``update()``; with accumulation, ``update`` only after the pass that
+    applies. A complete run: ``docs/optim.md``.
 
     Args:
         init_scale: Initial scale factor.
@@ -45,25 +51,6 @@ class DistributedGradScaler:
     Raises:
         ValueError: On a non-positive ``init_scale``, ``growth_factor <= 1``,
             ``backoff_factor`` outside ``(0, 1)`` or ``growth_interval < 1``.
-
-    Example:
-        >>> import torch
-        >>> import torch.distributed.rpc as rpc
-        >>> import metadist
-        >>> from metadist.optim import DistributedGradScaler, DistributedOptimizer
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     w = rpc.RRef(torch.ones(3, requires_grad=True))
-        ...     opt = DistributedOptimizer(torch.optim.SGD, [w], lr=0.5)
-        ...     scaler = DistributedGradScaler(init_scale=2.0**10)
-        ...     with metadist.autograd.context() as cid:
-        ...         loss = w.to_here().sum()  # e.g. computed under torch.autocast
-        ...         metadist.autograd.backward(cid, [scaler.scale(loss)])
-        ...         stepped = scaler.step(opt, cid)  # unscales; skips on inf/NaN
-        ...         scaler.update()
-        ...     return stepped, w.to_here().detach(), scaler.get_scale()
-        >>> main()
-        (True, tensor([0.5000, 0.5000, 0.5000]), 1024.0)
     """
 
     def __init__(
@@ -118,11 +105,6 @@ class DistributedGradScaler:
 
         Raises:
             TypeError: If ``outputs`` holds something other than tensors.
-
-        Example:
-            >>> import torch
-            >>> DistributedGradScaler(init_scale=4.0).scale([torch.tensor(0.5)])
-            [tensor(2.)]
         """
         if not self._enabled:
             return outputs
@@ -133,10 +115,8 @@ class DistributedGradScaler:
         raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {outputs!r}")
 
     def unscale_(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
-        """Unscale the gradients ``optimizer.step(context_id)`` will apply, on every owner.
-
-        One request per owner; each divides its gradients by the scale and reports whether it
-        saw an inf/NaN. Call before :func:`clip_grad_norm_`, at most once per step.
+        """Unscale, on every owner, the gradients ``optimizer.step(context_id)`` will apply
+        (before :func:`clip_grad_norm_`, at most once per step).
 
         Args:
             optimizer: The distributed optimizer.
@@ -162,31 +142,25 @@ class DistributedGradScaler:
         return found
 
     def step(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
-        """Step ``optimizer`` unless any owner found an inf/NaN; then every owner skips.
-
-        On a pass that only accumulates (``not optimizer.next_step_applies``) this just calls
-        ``optimizer.step(context_id)``: the check happens on the gradients that get applied.
+        """Step ``optimizer`` unless any owner found an inf/NaN; then every owner skips (a pass
+        that only accumulates just steps: the check is on the gradients that get applied).
 
         Args:
             optimizer: The distributed optimizer.
             context_id: A distributed-autograd context id created in this process.
 
         Returns:
-            ``True`` if the owners updated their parameters, ``False`` if they skipped (or only
-            accumulated).
+            Whether the owners updated their parameters (not if they skipped or accumulated).
 
         Raises:
             TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
         """
         check_optimizer(optimizer)
         key = (id(optimizer), context_id)
-        if not self._enabled:
+        if not self._enabled or (not optimizer.next_step_applies and key not in self._unscaled):
             self._unscaled.pop(key, None)
             optimizer.step(context_id)
-            return True
-        if not optimizer.next_step_applies and key not in self._unscaled:
-            optimizer.step(context_id)
-            return False
+            return not self._enabled
         if key not in self._unscaled:
             self.unscale_(optimizer, context_id)
         if self._unscaled.pop(key):
@@ -204,11 +178,6 @@ class DistributedGradScaler:
 
         Raises:
             ValueError: If ``new_scale`` is not a positive finite number.
-
-        Example:
-            >>> s = DistributedGradScaler(init_scale=4.0, growth_interval=1)
-            >>> s.update(); s.get_scale()
-            8.0
         """
         if not self._enabled:
             return
@@ -232,16 +201,9 @@ class DistributedGradScaler:
         """Return the scaler's state (``torch.amp.GradScaler`` keys).
 
         Returns:
-            ``{"scale", "growth_factor", "backoff_factor", "growth_interval",
-            "_growth_tracker"}`` values.
+            ``{"scale": ..., "growth_factor": ..., ..., "_growth_tracker": ...}``.
         """
-        return {
-            "scale": self._scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "_growth_tracker": self._growth_tracker,
-        }
+        return {key: getattr(self, attr) for key, (attr, _) in _STATE.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`.
@@ -251,18 +213,8 @@ class DistributedGradScaler:
 
         Raises:
             ValueError: If a key is missing.
-
-        Example:
-            >>> s = DistributedGradScaler()
-            >>> s.load_state_dict(DistributedGradScaler(init_scale=2.0).state_dict())
-            >>> s.get_scale()
-            2.0
         """
-        missing = set(self.state_dict()) - set(state_dict)
-        if missing:
+        if missing := set(_STATE) - set(state_dict):
             raise ValueError(f"state_dict is missing {sorted(missing)}")
-        self._scale = float(state_dict["scale"])
-        self.growth_factor = float(state_dict["growth_factor"])
-        self.backoff_factor = float(state_dict["backoff_factor"])
-        self.growth_interval = int(state_dict["growth_interval"])
-        self._growth_tracker = int(state_dict["_growth_tracker"])
+        for key, (attr, kind) in _STATE.items():
+            setattr(self, attr, kind(state_dict[key]))

@@ -1,11 +1,8 @@
 """Compile a functional optimizer instance with TorchScript, while torch still has it.
 
-A class compiled with ``torch.jit.script`` but instantiated from Python stays a Python object;
-held as an attribute of a scripted ``nn.Module`` it moves into TorchScript, and its ``step`` runs
-in the TorchScript interpreter, without the GIL. torch deprecates TorchScript (a
-``DeprecationWarning`` since 2.10) and is set to make ``torch.jit.script`` raise:
-:func:`torchscript_status` says which, so that ``mode="auto"`` steps eagerly instead and
-``mode="scripted"`` fails with a clear message.
+Held by a scripted ``nn.Module``, the optimizer's ``step`` runs in the TorchScript interpreter,
+without the GIL. torch deprecates TorchScript (since 2.10) and is set to make
+``torch.jit.script`` raise: :func:`torchscript_status` says which (``docs/optim.md``).
 """
 
 from __future__ import annotations
@@ -128,23 +125,12 @@ def script_functional_optimizer(optim: Any) -> Any:
             ``foreach=False`` and ``fused=False``.
 
     Returns:
-        A scripted :class:`ScriptedFunctionalOptimizer` whose ``step``, ``get_state``,
-        ``set_state``, ``get_defaults`` and ``set_defaults`` run in TorchScript.
+        A scripted :class:`ScriptedFunctionalOptimizer`.
 
     Raises:
         TypeError: If ``optim`` is not a functional optimizer instance (checked before compiling).
         ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
-        RuntimeError: If this torch cannot script at all (naming the torch version and the
-            eager alternative), or cannot compile this class.
-
-    Example:
-        >>> import torch
-        >>> from metadist.optim import FunctionalAdam
-        >>> p = torch.zeros(1)
-        >>> scripted = script_functional_optimizer(FunctionalAdam([p], lr=0.1))
-        >>> scripted.step([torch.ones(1)])
-        >>> p, scripted.get_defaults()["lr"]
-        (tensor([-0.1000]), 0.1)
+        RuntimeError: If this torch cannot script at all, or cannot compile this class.
     """
     _check_functional_optimizer(optim)
     works, problem = torchscript_status()
