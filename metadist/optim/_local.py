@@ -1,10 +1,6 @@
-"""The owner's side of the distributed optimizer: one local optimizer per (optimizer, owner).
-
-A :class:`LocalOptimizer` holds the owner's parameters, their optimizer state (which leaves the
-owner only for ``state_dict``), the gradient-accumulation window and the gradients staged by the
-scaler or clipping. Every entry point holds the instance's lock, taken with a timeout, so that
-``step`` calls from several trainers are serialized on each owner. Requests reach it through
-:func:`call`, naming it by an int key.
+"""The owner's side of the distributed optimizer: one :class:`LocalOptimizer` per (optimizer,
+owner) holds the parameters, their state, the accumulation window and the staged gradients behind
+a timed lock (``step`` calls from several trainers are serialized); :func:`call` reaches it by key.
 """
 
 from __future__ import annotations
@@ -75,11 +71,8 @@ class TimedLock:
 def eager_kernel(
     accepted: set[str], params: list[Tensor], foreach: bool | None, fused: bool | None
 ) -> str:
-    """Pick ``"fused"``, ``"foreach"`` or ``"single-tensor"`` for an eager functional optimizer.
-
-    ``accepted`` holds the functional class's constructor arguments; ``foreach``/``fused`` are the
-    user's flags, ``None`` when unset: only unset flags are auto-picked.
-    """
+    """Pick ``"fused"``, ``"foreach"`` or ``"single-tensor"`` for a functional class taking the
+    arguments ``accepted``; only unset (``None``) ``foreach``/``fused`` flags are auto-picked."""
     cpu_floats = all(p.dtype in _FUSED_DTYPES and p.device.type == "cpu" for p in params)
     if "fused" in accepted and (fused or (fused is None and not foreach and cpu_floats)):
         return "fused"
@@ -98,7 +91,7 @@ def _log_eager_fallback(name: str, problem: str) -> None:
 
 
 class LocalOptimizer:
-    """The optimizer for one owner's share of the parameters."""
+    """The optimizer for one owner's share of the parameters; its ``_`` helpers run locked."""
 
     def __init__(self, spec: Spec, params: list[Tensor]) -> None:
         self.spec = spec
@@ -142,8 +135,6 @@ class LocalOptimizer:
                 kwargs[self.kernel] = True
         functional = functional_class(params, **kwargs)
         self.optim = script_functional_optimizer(functional) if mode == "scripted" else functional
-
-    # -- helpers (called with the lock held) ---------------------------------------------------
 
     def _get(self, name: str) -> Any:
         """The optimizer's ``state`` or ``defaults`` (a scripted module's come by method)."""
@@ -193,8 +184,6 @@ class LocalOptimizer:
         finally:
             for p in self.params:
                 p.grad = None
-
-    # -- entry points (reached through call()) ------------------------------------------------
 
     def step(
         self, context_id: int, apply: bool, coef: float, hparams: dict[str, Any] | None

@@ -28,6 +28,50 @@ _RREF_TYPES = (rpc.RRef, rpc.PyRRef)  # type: ignore[attr-defined]
 _WINDOW = "accumulation"
 
 
+def clip_grad_norm_(
+    optimizer: DistributedOptimizer,
+    context_id: int,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """Clip the gradients the next ``optimizer.step(context_id)`` applies by their norm over all
+    owners, as ``torch.nn.utils.clip_grad_norm_`` does in one process (see ``docs/optim.md``).
+
+    Args:
+        optimizer: The :class:`DistributedOptimizer` whose parameters' gradients to clip.
+        context_id: A distributed-autograd context id created in this process.
+        max_norm: Largest allowed total norm (``> 0``).
+        norm_type: Order of the norm, ``> 0`` or ``float("inf")``.
+        error_if_nonfinite: Raise if the total norm is inf or NaN.
+
+    Returns:
+        The total norm of the gradients before clipping (0-dim float tensor).
+
+    Raises:
+        TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+        ValueError: On a non-positive ``max_norm`` or ``norm_type`` or an unknown context.
+        RuntimeError: If ``error_if_nonfinite`` and the total norm is not finite.
+    """
+    check_optimizer(optimizer)
+    if not _is_number(max_norm) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    if not _is_number(norm_type) or not norm_type > 0:
+        raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
+    results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
+    norms = [n.float() for _, n in results if n is not None]
+    previous = optimizer._coef.get(context_id, 1.0)
+    total = torch.linalg.vector_norm(torch.stack(norms), float(norm_type)) * previous
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients of context {context_id} is "
+            f"{float(total)}; set error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    optimizer._coef[context_id] = previous * float(coef)
+    return total
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Optimize parameters that live on several workers, each owner stepping its own share.
 
@@ -55,8 +99,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``mode``, hyperparameters ``optimizer_class`` rejects, ...), before any request.
 
     Example:
-        A world of 1 (plain ``python``), where this process owns the parameter:
-
         >>> import torch
         >>> import torch.distributed.rpc as rpc
         >>> import metadist
@@ -130,11 +172,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         group = _param_group(optimizer_class, functional_class is optimizer_class, args, kwargs)
 
-        self.optimizer_class = optimizer_class
-        self.backward_passes_per_step = backward_passes_per_step
+        self.optimizer_class, self.params_rref = optimizer_class, list(params_rref)
+        self.backward_passes_per_step, self.timeout = backward_passes_per_step, float(timeout)
         self.average_accumulated = average_accumulated
-        self.timeout = float(timeout)
-        self.params_rref = list(params_rref)
         # torch.optim.Optimizer surface (deliberately not calling its __init__: it wants local
         # tensors). One group; "params" holds the RRefs.
         self.defaults = dict(group)
@@ -164,8 +204,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # The RRefs keep the owners' optimizers alive; requests address them by key.
         self._rrefs = {o: rref for o, (rref, _) in created.items()}
         self._keys: dict[str, int] = {o: key for o, (_, key) in created.items()}
-
-    # -- torch.optim.Optimizer surface -----------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("DistributedOptimizer cannot be pickled; use state_dict() instead")
@@ -207,8 +245,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Return, per owner, the mode and kernel chosen there and how many parameters it holds.
 
         Returns:
-            ``{worker_name: (mode, kernel, num_params)}``, mode ``"eager"``/``"scripted"``/
-            ``"torch"`` and kernel ``"fused"``/``"foreach"``/``"single-tensor"``/``"torch.optim"``.
+            ``{worker_name: (mode, kernel, num_params)}``, e.g. ``("eager", "fused", 2)``.
         """
         return self._call_owners("describe")
 
@@ -246,10 +283,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (what :class:`DistributedGradScaler` does when an owner found an inf/NaN).
 
         Args:
-            context_id: A distributed-autograd context id created in this process.
-
-        Raises:
-            ValueError: If ``context_id`` is not a live context of this process.
+            context_id: A live distributed-autograd context id of this process, as for ``step``.
         """
         check_context(context_id, "DistributedOptimizer")
         with self._lock:
@@ -348,32 +382,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._coef.clear()
             self._sent_hparams = None  # the owners get the loaded hyperparameters on next step
 
-    def clip_grad_norm_(
-        self,
-        context_id: int,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-    ) -> Tensor:
-        """:func:`clip_grad_norm_` of this optimizer's gradients of ``context_id``.
-
-        Args:
-            context_id: As for :func:`clip_grad_norm_`.
-            max_norm: As for :func:`clip_grad_norm_`.
-            norm_type: As for :func:`clip_grad_norm_`.
-            error_if_nonfinite: As for :func:`clip_grad_norm_`.
-
-        Returns:
-            The total norm before clipping.
-        """
-        return clip_grad_norm_(self, context_id, max_norm, norm_type, error_if_nonfinite)
+    # The method form, ``opt.clip_grad_norm_(context_id, max_norm, ...)``: the function itself.
+    clip_grad_norm_ = clip_grad_norm_
 
     def stage_gradients(
         self, context_id: int, inv_scale: float | None = None, norm_type: float | None = None
     ) -> list[tuple[bool, Tensor | None]]:
-        """Have every owner take the gradients the next ``step(context_id)`` applies, multiply
-        them by ``inv_scale``, keep them for that step and report inf/NaN and their norm (the
-        building block of :class:`DistributedGradScaler` and :func:`clip_grad_norm_`).
+        """Have every owner scale the gradients the next ``step(context_id)`` applies and keep
+        them for it (the building block of :class:`DistributedGradScaler` and clipping).
 
         Args:
             context_id: A distributed-autograd context id created in this process.
@@ -386,8 +402,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_context(context_id, "DistributedOptimizer")
         apply = self.next_step_applies
         return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())
-
-    # -- internals ---------------------------------------------------------------------------
 
     def _hparams(self) -> dict[str, Any]:
         """The param group's float hyperparameters, the ones owners follow step by step."""
@@ -435,50 +449,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._fan_out(
             _local.call, lambda o: (self._keys[o], method, *(per_owner[o] if per_owner else args))
         )
-
-
-def clip_grad_norm_(
-    optimizer: DistributedOptimizer,
-    context_id: int,
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-) -> Tensor:
-    """Clip the gradients the next ``optimizer.step(context_id)`` applies by their norm over all
-    owners, as ``torch.nn.utils.clip_grad_norm_`` does in one process (see ``docs/optim.md``).
-
-    Args:
-        optimizer: The :class:`DistributedOptimizer` whose parameters' gradients to clip.
-        context_id: A distributed-autograd context id created in this process.
-        max_norm: Largest allowed total norm (``> 0``).
-        norm_type: Order of the norm, ``> 0`` or ``float("inf")``.
-        error_if_nonfinite: Raise if the total norm is inf or NaN.
-
-    Returns:
-        The total norm of the gradients before clipping (0-dim float tensor).
-
-    Raises:
-        TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
-        ValueError: On a non-positive ``max_norm`` or ``norm_type`` or an unknown context.
-        RuntimeError: If ``error_if_nonfinite`` and the total norm is not finite.
-    """
-    check_optimizer(optimizer)
-    if not _is_number(max_norm) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-    if not _is_number(norm_type) or not norm_type > 0:
-        raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
-    results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
-    norms = [n.float() for _, n in results if n is not None]
-    previous = optimizer._coef.get(context_id, 1.0)
-    total = torch.linalg.vector_norm(torch.stack(norms), float(norm_type)) * previous
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"the total norm of order {norm_type} of the gradients of context {context_id} is "
-            f"{float(total)}; set error_if_nonfinite=False to clip anyway"
-        )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    optimizer._coef[context_id] = previous * float(coef)
-    return total
 
 
 def check_optimizer(optimizer: Any) -> None:

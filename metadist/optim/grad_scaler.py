@@ -1,9 +1,5 @@
-"""Loss scaling for mixed precision when the parameters are spread over several owners.
-
-The sharded-scaler rule (fairscale's ``ShardedGradScaler``): every owner unscales its own
-gradients and reports whether it saw an inf/NaN; the reports are OR-ed on the caller, so either
-every owner steps or every owner skips; then the scale is updated once.
-"""
+"""Loss scaling for mixed precision when the parameters are spread over several owners, by the
+sharded-scaler rule: all owners step or all skip (``docs/optim.md``)."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from metadist.optim.distributed import DistributedOptimizer, check_optimizer
+from metadist.optim.distributed import DistributedOptimizer, _is_number, check_optimizer
 
 __all__ = ["DistributedGradScaler"]
 
@@ -26,12 +22,6 @@ _STATE: dict[str, tuple[str, type]] = {
     "growth_interval": ("growth_interval", int),
     "_growth_tracker": ("_growth_tracker", int),
 }
-
-
-def _positive(value: Any) -> bool:
-    # Checked first so that a str or None gives the ValueError naming the argument, not a bare
-    # TypeError from the comparison.
-    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 class DistributedGradScaler:
@@ -61,21 +51,18 @@ class DistributedGradScaler:
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
-        if not (_positive(init_scale) and math.isfinite(init_scale)):
+        if not (_is_number(init_scale) and init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
-        if not (_positive(growth_factor) and growth_factor > 1.0):
+        if not (_is_number(growth_factor) and growth_factor > 1.0):
             raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}")
-        if not (_positive(backoff_factor) and backoff_factor < 1.0):
+        if not (_is_number(backoff_factor) and 0 < backoff_factor < 1.0):
             raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
         if not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
-        self._scale = float(init_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
+        self._scale, self._enabled = float(init_scale), enabled
         self.growth_interval = growth_interval
-        self._enabled = enabled
-        self._growth_tracker = 0
-        self._found_inf_since_update = False
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self._growth_tracker, self._found_inf_since_update = 0, False
         self._unscaled: dict[tuple[int, int], bool] = {}
 
     def is_enabled(self) -> bool:
@@ -183,18 +170,15 @@ class DistributedGradScaler:
             return
         self._unscaled.clear()
         if new_scale is not None:
-            if not (_positive(new_scale) and math.isfinite(new_scale)):
+            if not (_is_number(new_scale) and new_scale > 0 and math.isfinite(new_scale)):
                 raise ValueError(f"new_scale must be a positive finite number, got {new_scale!r}")
-            self._scale = float(new_scale)
-            self._growth_tracker = 0
+            self._scale, self._growth_tracker = float(new_scale), 0
         elif self._found_inf_since_update:
-            self._scale *= self.backoff_factor
-            self._growth_tracker = 0
+            self._scale, self._growth_tracker = self._scale * self.backoff_factor, 0
         else:
             self._growth_tracker += 1
             if self._growth_tracker >= self.growth_interval:
-                self._scale *= self.growth_factor
-                self._growth_tracker = 0
+                self._scale, self._growth_tracker = self._scale * self.growth_factor, 0
         self._found_inf_since_update = False
 
     def state_dict(self) -> dict[str, Any]:

@@ -108,15 +108,6 @@ class QHM(torch.optim.Optimizer):
     Raises:
         ValueError: On a negative ``lr`` or ``weight_decay``, ``momentum`` outside ``[0, 1)`` or
             an unknown ``weight_decay_type``.
-
-    Example:
-        >>> import torch
-        >>> w = torch.nn.Parameter(torch.ones(3))
-        >>> opt = QHM([w], lr=0.1, momentum=0.9, nu=0.7)
-        >>> w.sum().backward()
-        >>> opt.step()
-        >>> w.detach()  # 1 - 0.1 * (0.7 * 0.1 + 0.3 * 1): the buffer starts at zero
-        tensor([0.9630, 0.9630, 0.9630])
     """
 
     def __init__(

@@ -30,10 +30,9 @@ def register_functional_optimizer(
 ) -> Any:
     """Register ``functional_class`` as the functional twin of ``optimizer_class``.
 
-    ``DistributedOptimizer(optimizer_class, ...)`` then steps the owners with
-    ``functional_class`` (a later registration replaces an earlier one). Registration is per
-    process: register when a module every worker imports is imported. What a functional class
-    must provide: ``docs/optim.md`` (the QHM section).
+    ``DistributedOptimizer(optimizer_class, ...)`` then steps the owners with it (the latest
+    registration wins). Registration is per process: register in a module every worker imports.
+    What a functional class must provide: ``docs/optim.md`` (the QHM section).
 
     Args:
         optimizer_class: The class users pass to ``DistributedOptimizer``.

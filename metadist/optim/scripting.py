@@ -31,12 +31,8 @@ def _probe(x: Tensor) -> Tensor:
 
 @functools.cache
 def torchscript_status() -> tuple[bool, str | None]:
-    """``(works, problem)``: whether ``torch.jit.script`` compiles here, and why not to pick it
-    automatically (``None`` if nothing speaks against it).
-
-    Compiles a one-line function once per process: a missing ``torch.jit.script`` or one that
-    raises does not work; one that warns (deprecated) works but is not picked automatically.
-    """
+    """``(works, problem)``: whether ``torch.jit.script`` compiles a probe here (once per process),
+    and why ``"auto"`` should not pick it (deprecated, say), or ``None``."""
     version = torch.__version__
     script = getattr(torch.jit, "script", None)
     if script is None:
@@ -53,15 +49,11 @@ def torchscript_status() -> tuple[bool, str | None]:
 
 
 class ScriptedFunctionalOptimizer(torch.nn.Module):
-    """A functional optimizer instance held in TorchScript (build it with
+    """A functional optimizer instance held in TorchScript (build it, and see what it raises, with
     :func:`script_functional_optimizer`).
 
     Args:
         optim: A functional optimizer instance (``step(gradients)``, ``state``, ``defaults``).
-
-    Raises:
-        TypeError: If ``optim`` is not a functional optimizer instance.
-        ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
     """
 
     def __init__(self, optim: Any) -> None:
