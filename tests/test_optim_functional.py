@@ -328,7 +328,7 @@ def test_registry_defaults_and_decorator() -> None:
     assert decorated is FunctionalSGD
     assert get_functional_optimizer(MyOptimizer) is FunctionalSGD
     with pytest.raises(TypeError, match="optimizer_class must be a class"):
-        register_functional_optimizer("SGD", FunctionalSGD)  # type: ignore[call-overload]
+        register_functional_optimizer("SGD", FunctionalSGD)  # type: ignore[arg-type]
     # Wrong types fail here with the argument named, not later on an owner.
     with pytest.raises(TypeError, match=r"optimizer_class must be a class, got \[1\]"):
         get_functional_optimizer([1])  # type: ignore[arg-type]

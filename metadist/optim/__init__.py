@@ -1,20 +1,6 @@
-"""Optimizers for metadist: functional (TorchScript-compatible) and distributed.
-
-* Functional optimizers (:class:`FunctionalSGD`, :class:`FunctionalAdam`, ...), stepped with an
-  explicit gradient list, eagerly or scripted (:func:`script_functional_optimizer`; nothing is
-  compiled at import); :func:`register_functional_optimizer` plugs in your own.
-* :class:`QHM`: quasi-hyperbolic momentum as a ``torch.optim.Optimizer`` (twin:
-  :class:`FunctionalQHM`).
-* :class:`DistributedOptimizer`: steps parameters on their owners from a distributed-autograd
-  context; :class:`DistributedGradScaler` and :func:`clip_grad_norm_` work across owners.
-
-Example:
-    >>> import torch
-    >>> from metadist.optim import FunctionalSGD
-    >>> params = [torch.ones(2)]
-    >>> FunctionalSGD(params, lr=0.5).step([torch.ones(2)])
-    >>> params[0]
-    tensor([0.5000, 0.5000])
+"""Optimizers for metadist: functional ones (:class:`FunctionalSGD`, ..., :class:`FunctionalQHM`
+for :class:`QHM`), eager or scripted, and :class:`DistributedOptimizer`, which steps parameters on
+their owners, with :class:`DistributedGradScaler` and :func:`clip_grad_norm_` (``docs/optim.md``).
 """
 
 from __future__ import annotations

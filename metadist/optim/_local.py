@@ -1,10 +1,6 @@
-"""The owner's side of the distributed optimizer: one local optimizer per (optimizer, owner).
-
-A :class:`LocalOptimizer` holds the owner's parameters, their optimizer state (which leaves the
-owner only for ``state_dict``), the gradient-accumulation window and the gradients staged by the
-scaler or clipping. Every entry point holds the instance's lock, taken with a timeout, so that
-``step`` calls from several trainers are serialized on each owner. Requests reach it through
-:func:`call`, naming it by an int key.
+"""The owner's side of the distributed optimizer: one :class:`LocalOptimizer` per (optimizer,
+owner) holds the parameters, their state, the accumulation window and the staged gradients behind
+a timed lock (``step`` calls from several trainers are serialized); :func:`call` reaches it by key.
 """
 
 from __future__ import annotations
@@ -75,11 +71,8 @@ class TimedLock:
 def eager_kernel(
     accepted: set[str], params: list[Tensor], foreach: bool | None, fused: bool | None
 ) -> str:
-    """Pick ``"fused"``, ``"foreach"`` or ``"single-tensor"`` for an eager functional optimizer.
-
-    ``accepted`` holds the functional class's constructor arguments; ``foreach``/``fused`` are the
-    user's flags, ``None`` when unset: only unset flags are auto-picked.
-    """
+    """Pick ``"fused"``, ``"foreach"`` or ``"single-tensor"`` for a functional class taking the
+    arguments ``accepted``; only unset (``None``) ``foreach``/``fused`` flags are auto-picked."""
     cpu_floats = all(p.dtype in _FUSED_DTYPES and p.device.type == "cpu" for p in params)
     if "fused" in accepted and (fused or (fused is None and not foreach and cpu_floats)):
         return "fused"
@@ -98,7 +91,7 @@ def _log_eager_fallback(name: str, problem: str) -> None:
 
 
 class LocalOptimizer:
-    """The optimizer for one owner's share of the parameters."""
+    """The optimizer for one owner's share of the parameters; its ``_`` helpers run locked."""
 
     def __init__(self, spec: Spec, params: list[Tensor]) -> None:
         self.spec = spec
@@ -142,8 +135,6 @@ class LocalOptimizer:
                 kwargs[self.kernel] = True
         functional = functional_class(params, **kwargs)
         self.optim = script_functional_optimizer(functional) if mode == "scripted" else functional
-
-    # -- helpers (called with the lock held) ---------------------------------------------------
 
     def _get(self, name: str) -> Any:
         """The optimizer's ``state`` or ``defaults`` (a scripted module's come by method)."""
@@ -193,8 +184,6 @@ class LocalOptimizer:
         finally:
             for p in self.params:
                 p.grad = None
-
-    # -- entry points (reached through call()) ------------------------------------------------
 
     def step(
         self, context_id: int, apply: bool, coef: float, hparams: dict[str, Any] | None
@@ -261,12 +250,8 @@ class LocalOptimizer:
     ) -> None:
         """Replace the optimizer state and the accumulation window (``None``: a fresh one)."""
         with self.lock:
-            for what, given in (("state", states), ("accumulated gradients", accum)):
-                if given is not None and len(given) != len(self.params):
-                    raise ValueError(
-                        f"{what} for {len(given)} parameters sent to an owner of {len(self.params)}"
-                    )
-            # Convert everything first: a bad state must leave this owner as it was.
+            # Convert everything first (the strict zips check the lengths): a bad state must leave
+            # this owner as it was.
             tensors_only = self.mode != "torch"
             new = {
                 p: {k: _as_state(v, p, tensors_only) for k, v in s.items()}
@@ -310,22 +295,15 @@ def create(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> tuple[rpc.RRef[Lo
     """Resolve the RRefs to this owner's tensors, check them and build the local optimizer
     (RPC target, or called in-process by the caller for its own share); return an RRef to it
     and its key."""
-    params: list[Tensor] = []
-    seen: set[int] = set()
-    for i, rref in enumerate(param_rrefs):
-        value = rref.local_value()
+    here, params = rpc.get_worker_info().name, [rref.local_value() for rref in param_rrefs]
+    for i, value in enumerate(params):
         if not isinstance(value, Tensor):
             raise TypeError(
-                f"params_rref entry {i} on {rpc.get_worker_info().name} holds a "
-                f"{type(value).__name__}, expected a torch.Tensor"
+                f"params_rref entry {i} on {here} holds a {type(value).__name__}, expected a "
+                "torch.Tensor"
             )
-        if id(value) in seen:
-            raise ValueError(
-                f"params_rref holds the same tensor twice on {rpc.get_worker_info().name}; "
-                "pass each parameter once"
-            )
-        seen.add(id(value))
-        params.append(value)
+    if len({id(p) for p in params}) < len(params):
+        raise ValueError(f"params_rref holds the same tensor twice on {here}; pass each once")
     local = LocalOptimizer(spec, params)
     key = next(_keys)
     _LIVE[key] = local

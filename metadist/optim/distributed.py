@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 from collections import defaultdict
@@ -29,54 +28,77 @@ _RREF_TYPES = (rpc.RRef, rpc.PyRRef)  # type: ignore[attr-defined]
 _WINDOW = "accumulation"
 
 
+def clip_grad_norm_(
+    optimizer: DistributedOptimizer,
+    context_id: int,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """Clip the gradients the next ``optimizer.step(context_id)`` applies by their norm over all
+    owners, as ``torch.nn.utils.clip_grad_norm_`` does in one process (see ``docs/optim.md``).
+
+    Args:
+        optimizer: The :class:`DistributedOptimizer` whose parameters' gradients to clip.
+        context_id: A distributed-autograd context id created in this process.
+        max_norm: Largest allowed total norm (``> 0``).
+        norm_type: Order of the norm, ``> 0`` or ``float("inf")``.
+        error_if_nonfinite: Raise if the total norm is inf or NaN.
+
+    Returns:
+        The total norm of the gradients before clipping (0-dim float tensor).
+
+    Raises:
+        TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+        ValueError: On a non-positive ``max_norm`` or ``norm_type`` or an unknown context.
+        RuntimeError: If ``error_if_nonfinite`` and the total norm is not finite.
+    """
+    check_optimizer(optimizer)
+    if not _is_number(max_norm) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    if not _is_number(norm_type) or not norm_type > 0:
+        raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
+    results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
+    norms = [n.float() for _, n in results if n is not None]
+    previous = optimizer._coef.get(context_id, 1.0)
+    total = torch.linalg.vector_norm(torch.stack(norms), float(norm_type)) * previous
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients of context {context_id} is "
+            f"{float(total)}; set error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    optimizer._coef[context_id] = previous * float(coef)
+    return total
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Optimize parameters that live on several workers, each owner stepping its own share.
 
-    A drop-in for ``torch.distributed.optim.DistributedOptimizer`` (same constructor, same
-    ``step(context_id)``). The constructor creates one local optimizer on every owner of
-    ``params_rref``; ``step(context_id)`` sends one request per owner, which updates the
-    parameters that have a gradient in that distributed-autograd context (the others are left
-    untouched; no stale ``.grad`` is re-applied). Concurrent ``step`` calls from several threads
-    are serialized per owner.
-
-    Each owner runs the functional twin of ``optimizer_class`` (see
-    :func:`register_functional_optimizer`) eagerly with torch's fused or multi-tensor kernels
-    (``"eager"``), compiled with TorchScript (``"scripted"``), or as ``"auto"`` picks (rules in
-    the optimizer guide, ``docs/optim.md``); a class with no twin runs as itself. The object is
-    a ``torch.optim.Optimizer`` with one param group, so ``torch.optim.lr_scheduler`` drives it:
-    the group's float hyperparameters reach the owners with the next step after they change.
-    Its ``state`` stays empty; ``state_dict()`` gathers the owners' state.
+    A drop-in for ``torch.distributed.optim.DistributedOptimizer``: one local optimizer per
+    owner, and ``step(context_id)`` sends one request per owner, which updates the parameters
+    with a gradient in that context (concurrent steps are serialized per owner). Owners run the
+    functional twin of ``optimizer_class`` eagerly, scripted, or as ``"auto"`` picks; a class with
+    no twin runs as itself. One param group, driven by ``torch.optim.lr_scheduler``; ``state``
+    stays empty and ``state_dict()`` gathers the owners'. The guide: ``docs/optim.md``.
 
     Args:
-        optimizer_class: A ``torch.optim.Optimizer`` subclass (e.g. ``torch.optim.Adam`` or
-            :class:`metadist.optim.QHM`) or a registered functional class.
+        optimizer_class: A ``torch.optim.Optimizer`` subclass or a registered functional class.
         params_rref: RRefs to the parameters (leaf tensors) on their owners; any mix of owners.
         *args: Positional hyperparameters for ``optimizer_class`` (after ``params``).
-        mode: ``"auto"``, ``"eager"``, ``"scripted"``, or a mapping from worker name or rank to
-            mode (unlisted owners use ``"auto"``).
-        backward_passes_per_step: Accumulate the gradients of this many contexts (one per
-            ``step`` call) and update on the last of them.
-        average_accumulated: Divide the accumulated gradients by ``backward_passes_per_step``
-            instead of summing them.
-        timeout: Seconds each request may take (and each owner waits for its lock); ``None``
-            uses the RPC world's timeout.
+        mode: ``"auto"``, ``"eager"``, ``"scripted"``, or ``{worker name or rank: mode}``.
+        backward_passes_per_step: Accumulate this many contexts' gradients per update.
+        average_accumulated: Divide the accumulated gradients by ``backward_passes_per_step``.
+        timeout: Seconds per request and owner lock; ``None``: the RPC world's timeout.
         **kwargs: Keyword hyperparameters for ``optimizer_class``.
 
     Raises:
-        RuntimeError: If the RPC world is not running, or ``mode="scripted"`` is asked for
-            where torch can no longer script.
-        TypeError: If ``optimizer_class`` is neither a ``torch.optim.Optimizer`` subclass nor a
-            registered functional class, ``params_rref`` holds a non-RRef,
-            ``average_accumulated`` is not a bool, or ``foreach``/``fused`` is not a bool or
-            ``None``.
-        ValueError: On an empty or duplicated ``params_rref``, an unknown owner or ``mode``,
-            ``backward_passes_per_step`` not an int ``>= 1``, ``foreach=True`` with
-            ``fused=True``, a bad ``timeout``, or hyperparameters ``optimizer_class`` rejects.
-            All checked before any request is sent.
+        RuntimeError: If RPC is not running, or ``mode="scripted"`` where torch cannot script.
+        TypeError: On an argument of the wrong type (a non-RRef in ``params_rref``, ...).
+        ValueError: On a wrong value (empty or duplicated ``params_rref``, unknown owner or
+            ``mode``, hyperparameters ``optimizer_class`` rejects, ...), before any request.
 
     Example:
-        A world of 1 (plain ``python``), where this process owns the parameter:
-
         >>> import torch
         >>> import torch.distributed.rpc as rpc
         >>> import metadist
@@ -105,18 +127,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         **kwargs: Any,
     ) -> None:
         require_rpc("DistributedOptimizer")
-        if not isinstance(optimizer_class, type):
-            raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
-        functional_class = get_functional_optimizer(optimizer_class)
+        functional_class = get_functional_optimizer(optimizer_class)  # checks it is a class
         if functional_class is None and not issubclass(optimizer_class, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass or a registered "
                 f"functional optimizer class, got {optimizer_class!r}"
             )
         if isinstance(params_rref, _RREF_TYPES) or not isinstance(params_rref, Sequence):
-            raise TypeError(
-                f"params_rref must be a list of RRefs to parameters, got {type(params_rref)!r}"
-            )
+            raise TypeError(f"params_rref must be a list of RRefs, got {type(params_rref)!r}")
         if len(params_rref) == 0:
             raise ValueError("params_rref is empty; pass at least one parameter RRef")
         if not _is_number(backward_passes_per_step, int) or backward_passes_per_step < 1:
@@ -124,10 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
             )
         if not isinstance(average_accumulated, bool):
-            raise TypeError(
-                f"average_accumulated must be a bool, got {average_accumulated!r} "
-                f"of type {type(average_accumulated).__name__}"
-            )
+            raise TypeError(f"average_accumulated must be a bool, got {average_accumulated!r}")
         if timeout is None:
             timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
         elif not (_is_number(timeout) and timeout > 0 and math.isfinite(timeout)):
@@ -157,11 +172,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         group = _param_group(optimizer_class, functional_class is optimizer_class, args, kwargs)
 
-        self.optimizer_class = optimizer_class
-        self.backward_passes_per_step = backward_passes_per_step
+        self.optimizer_class, self.params_rref = optimizer_class, list(params_rref)
+        self.backward_passes_per_step, self.timeout = backward_passes_per_step, float(timeout)
         self.average_accumulated = average_accumulated
-        self.timeout = float(timeout)
-        self.params_rref = list(params_rref)
         # torch.optim.Optimizer surface (deliberately not calling its __init__: it wants local
         # tensors). One group; "params" holds the RRefs.
         self.defaults = dict(group)
@@ -174,35 +187,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sent_hparams: dict[str, Any] | None = self._hparams()
         self._me = get_worker_name()
 
-        ctor_kwargs = dict(group)
-        if functional_class is not None:
-            # Owners auto-pick only kernel flags that are unset (None). A flag the user did not
-            # pass is unset whatever the class defaults it to.
-            passed = _passed_names(optimizer_class, args, kwargs)
-            for flag in _KERNEL_FLAGS:
-                if flag in ctor_kwargs and flag not in passed:
-                    ctor_kwargs[flag] = None
-        spec = _local.Spec(
-            optimizer_class,
-            functional_class,
-            ctor_kwargs,
-            "auto",
-            backward_passes_per_step,
-            average_accumulated,
-            self.timeout,
-        )
+        # Functional owners auto-pick only kernel flags that are unset (None). A flag the user did
+        # not pass is unset whatever the class defaults it to.
+        passed = _passed_names(optimizer_class, args, kwargs) if functional_class else set(group)
+        ctor_kwargs = {
+            k: None if k in _KERNEL_FLAGS and k not in passed else v for k, v in group.items()
+        }
+        window = (backward_passes_per_step, average_accumulated, self.timeout)
         created = self._fan_out(
             _local.create,
             lambda o: (
-                dataclasses.replace(spec, mode=modes[o]),
+                _local.Spec(optimizer_class, functional_class, ctor_kwargs, modes[o], *window),
                 [self.params_rref[i] for i in self._owner_indices[o]],
             ),
         )
         # The RRefs keep the owners' optimizers alive; requests address them by key.
         self._rrefs = {o: rref for o, (rref, _) in created.items()}
         self._keys: dict[str, int] = {o: key for o, (_, key) in created.items()}
-
-    # -- torch.optim.Optimizer surface -----------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("DistributedOptimizer cannot be pickled; use state_dict() instead")
@@ -237,34 +238,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def next_step_applies(self) -> bool:
-        """Whether the next ``step`` updates the parameters (last pass of an accumulation window).
-
-        Example:
-            ``if opt.next_step_applies: clip_grad_norm_(opt, cid, max_norm=1.0)``
-        """
+        """Whether the next ``step`` updates the parameters (last pass of a window)."""
         return self._passes + 1 >= self.backward_passes_per_step
 
     def describe(self) -> dict[str, tuple[str, str, int]]:
         """Return, per owner, the mode and kernel chosen there and how many parameters it holds.
 
         Returns:
-            ``{worker_name: (mode, kernel, num_params)}``, mode ``"eager"``/``"scripted"``/
-            ``"torch"`` and kernel ``"fused"``/``"foreach"``/``"single-tensor"``/``"torch.optim"``.
+            ``{worker_name: (mode, kernel, num_params)}``, e.g. ``("eager", "fused", 2)``.
         """
         return self._call_owners("describe")
 
     def step(self, context_id: int) -> None:  # type: ignore[override]
-        """Apply the gradients of ``context_id`` on every owner (one request per owner).
-
-        With ``backward_passes_per_step = N > 1`` the first ``N - 1`` calls only accumulate (on
-        the owners) and the ``N``-th updates the parameters.
+        """Apply the gradients of ``context_id`` on every owner (one request per owner); with
+        ``backward_passes_per_step = N`` the first ``N - 1`` calls of a window only accumulate.
 
         Args:
             context_id: A distributed-autograd context id created in this process.
 
         Raises:
-            ValueError: If ``context_id`` is not a live context of this process (checked before
-                any request).
+            ValueError: If ``context_id`` is not a live context of this process.
             TimeoutError: If an owner's lock could not be taken in ``timeout`` seconds.
             RuntimeError: If a request failed or timed out (with the owner's error).
         """
@@ -290,10 +283,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (what :class:`DistributedGradScaler` does when an owner found an inf/NaN).
 
         Args:
-            context_id: A distributed-autograd context id created in this process.
-
-        Raises:
-            ValueError: If ``context_id`` is not a live context of this process.
+            context_id: A live distributed-autograd context id of this process, as for ``step``.
         """
         check_context(context_id, "DistributedOptimizer")
         with self._lock:
@@ -302,10 +292,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._call_owners("skip")
 
     def state_dict(self) -> dict[str, Any]:
-        """Gather the owners' state into one ``torch.optim``-format state dict on the caller.
-
-        Parameter ``i`` of the dict is ``params_rref[i]``. Taken mid-window, the dict also holds
-        the accumulation window, so that :meth:`load_state_dict` resumes it.
+        """Gather the owners' state into one ``torch.optim``-format state dict (parameter ``i`` is
+        ``params_rref[i]``; mid-window it also holds the window, see ``docs/optim.md``).
 
         Returns:
             ``{"state": {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``
@@ -331,38 +319,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Send the state of a :meth:`state_dict` result back to the owners.
-
-        Also restores the param group's hyperparameters and the accumulation window: the one
-        saved mid-window, else a fresh one (gradients accumulated before the load are dropped).
+        """Send a :meth:`state_dict` back to the owners, with the group's hyperparameters and the
+        accumulation window (a fresh one if none was saved: earlier gradients are dropped).
 
         Args:
             state_dict: A dict from :meth:`state_dict` (or a ``torch.optim`` state dict of the
                 same algorithm over the same parameters, in ``params_rref`` order).
 
         Raises:
-            ValueError: If the dict is not in ``torch.optim`` format, does not have one param
-                group over exactly ``len(params_rref)`` parameters, a state index is out of
-                range, or its accumulation window does not fit ``backward_passes_per_step``.
-                Checked before any request.
+            ValueError: If the dict does not fit this optimizer (checked before any request).
         """
-        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-            raise ValueError(
-                "state_dict must be a dict with 'state' and 'param_groups', got "
-                f"{type(state_dict).__name__} with keys {list(state_dict)[:5]!r}"
-                if isinstance(state_dict, Mapping)
-                else f"state_dict must be a dict, got {type(state_dict).__name__}"
-            )
-        groups, n = state_dict["param_groups"], len(self.params_rref)
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        groups, given = state_dict.get("param_groups"), state_dict.get("state")
         if not isinstance(groups, Sequence) or not all(isinstance(g, Mapping) for g in groups):
             raise ValueError(
-                f"state_dict['param_groups'] must be a list of dicts, got {groups!r:.200}"
+                f"state_dict['param_groups'] must be a list of dicts, got {groups!r:.99}"
             )
-        if not isinstance(state_dict["state"], Mapping):
-            raise ValueError(
-                f"state_dict['state'] must be a dict {{index: {{name: value}}}}, got "
-                f"{type(state_dict['state']).__name__}"
-            )
+        if not isinstance(given, Mapping):
+            raise ValueError(f"state_dict['state'] must be a dict, got {type(given).__name__}")
+        n = len(self.params_rref)
         if len(groups) != 1 or len(groups[0].get("params", ())) != n:
             raise ValueError(
                 f"state_dict must have 1 param group over {n} parameters, got "
@@ -370,7 +346,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         order = {pid: i for i, pid in enumerate(groups[0]["params"])}
         states: dict[int, dict[str, Any]] = {}
-        for key, value in state_dict["state"].items():
+        for key, value in given.items():
             if key not in order or not isinstance(value, dict):
                 raise ValueError(
                     f"state_dict['state'][{key!r}] must be a dict of state tensors, got "
@@ -406,34 +382,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._coef.clear()
             self._sent_hparams = None  # the owners get the loaded hyperparameters on next step
 
-    def clip_grad_norm_(
-        self,
-        context_id: int,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-    ) -> Tensor:
-        """:func:`clip_grad_norm_` of this optimizer's gradients of ``context_id``.
-
-        Args:
-            context_id: A distributed-autograd context id created in this process.
-            max_norm: Largest allowed total norm.
-            norm_type: Order of the norm (``float("inf")`` for the max norm).
-            error_if_nonfinite: Raise if the total norm is inf or NaN.
-
-        Returns:
-            The total norm before clipping (0-dim float tensor).
-        """
-        return clip_grad_norm_(self, context_id, max_norm, norm_type, error_if_nonfinite)
+    # The method form, ``opt.clip_grad_norm_(context_id, max_norm, ...)``: the function itself.
+    clip_grad_norm_ = clip_grad_norm_
 
     def stage_gradients(
         self, context_id: int, inv_scale: float | None = None, norm_type: float | None = None
     ) -> list[tuple[bool, Tensor | None]]:
-        """Prepare, on every owner, the gradients the next ``step(context_id)`` applies.
-
-        The building block of :class:`DistributedGradScaler` and :func:`clip_grad_norm_` (one
-        request per owner): each owner takes the gradients that step will use, multiplies them by
-        ``inv_scale``, reports inf/NaN and their norm, and keeps them for the step.
+        """Have every owner scale the gradients the next ``step(context_id)`` applies and keep
+        them for it (the building block of :class:`DistributedGradScaler` and clipping).
 
         Args:
             context_id: A distributed-autograd context id created in this process.
@@ -446,8 +402,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_context(context_id, "DistributedOptimizer")
         apply = self.next_step_applies
         return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())
-
-    # -- internals ---------------------------------------------------------------------------
 
     def _hparams(self) -> dict[str, Any]:
         """The param group's float hyperparameters, the ones owners follow step by step."""
@@ -497,73 +451,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
 
 
-def clip_grad_norm_(
-    optimizer: DistributedOptimizer,
-    context_id: int,
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-) -> Tensor:
-    """Clip the gradients the next ``optimizer.step(context_id)`` applies, by their global norm.
-
-    The norm is taken over every owner's gradients (one request per owner), as
-    ``torch.nn.utils.clip_grad_norm_`` would over the same gradients in one process:
-    ``coef = min(1, max_norm / (total_norm + 1e-6))``, applied on the owners when ``step`` runs
-    (the context's gradient tensors are not modified). With accumulation, call it when
-    ``optimizer.next_step_applies``; with a :class:`DistributedGradScaler`, after
-    ``scaler.unscale_``.
-
-    Args:
-        optimizer: The :class:`DistributedOptimizer` whose parameters' gradients to clip.
-        context_id: A distributed-autograd context id created in this process.
-        max_norm: Largest allowed total norm (``> 0``).
-        norm_type: Order of the norm, ``> 0`` or ``float("inf")``.
-        error_if_nonfinite: Raise if the total norm is inf or NaN.
-
-    Returns:
-        The total norm of the gradients before clipping (0-dim float tensor).
-
-    Raises:
-        TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
-        ValueError: On a non-positive ``max_norm`` or ``norm_type`` or an unknown context.
-        RuntimeError: If ``error_if_nonfinite`` and the total norm is not finite.
-
-    Example:
-        >>> import torch
-        >>> import torch.distributed.rpc as rpc
-        >>> import metadist
-        >>> from metadist.optim import DistributedOptimizer, clip_grad_norm_
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     w = rpc.RRef(torch.ones(3, requires_grad=True))
-        ...     opt = DistributedOptimizer(torch.optim.SGD, [w], lr=1.0)
-        ...     with metadist.autograd.context() as cid:
-        ...         metadist.autograd.backward(cid, [w.to_here().sum()])
-        ...         total = clip_grad_norm_(opt, cid, max_norm=1.0)  # norm before clipping
-        ...         opt.step(cid)
-        ...     return total, w.to_here().detach()
-        >>> main()
-        (tensor(1.7321), tensor([0.4227, 0.4227, 0.4227]))
-    """
-    check_optimizer(optimizer)
-    if not _is_number(max_norm) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-    if not _is_number(norm_type) or not norm_type > 0:
-        raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
-    results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
-    norms = [n.float() for _, n in results if n is not None]
-    previous = optimizer._coef.get(context_id, 1.0)
-    total = torch.linalg.vector_norm(torch.stack(norms), float(norm_type)) * previous
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"the total norm of order {norm_type} of the gradients of context {context_id} is "
-            f"{float(total)}; set error_if_nonfinite=False to clip anyway"
-        )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    optimizer._coef[context_id] = previous * float(coef)
-    return total
-
-
 def check_optimizer(optimizer: Any) -> None:
     """Raise ``TypeError`` unless ``optimizer`` is a :class:`DistributedOptimizer`."""
     if not isinstance(optimizer, DistributedOptimizer):
@@ -591,9 +478,7 @@ def _resolve_modes(mode: str | Mapping[str | int, str], owners: set[str]) -> dic
         try:
             out[get_worker_name(worker)] = value
         except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"mode has an entry for {worker!r}, which is not a worker: {exc}"
-            ) from None
+            raise ValueError(f"mode names {worker!r}, which is not a worker: {exc}") from None
     return out
 
 
@@ -634,10 +519,7 @@ def _param_group(
             )
     for flag in _KERNEL_FLAGS:
         if group.get(flag) is not None and not isinstance(group[flag], bool):
-            raise TypeError(
-                f"{flag} must be True, False or None (unset), got {group[flag]!r} "
-                f"of type {type(group[flag]).__name__}"
-            )
+            raise TypeError(f"{flag} must be True, False or None (unset), got {group[flag]!r}")
     if group.get("foreach") and group.get("fused"):
         raise ValueError("fused=True and foreach=True cannot be used together; pick one")
     if functional:

@@ -5,12 +5,10 @@
 Each class takes ``(params, <its torch.optim class's hyperparameters>)``, checked by that class's
 own constructor. Float hyperparameters live in ``self.defaults`` (tuples split: ``betas`` ->
 ``beta1``/``beta2``, see :data:`TUPLE_KEYS`), boolean ones in ``self.flags``, and the state in
-``self.state: dict[Tensor, dict[str, Tensor]]``, laid out as ``torch.optim`` lays it out.
-``step(gradients)`` takes one gradient per parameter (``None`` leaves that parameter and its state
-alone) and runs torch's own functional kernel (``torch.optim.adam.adam`` and friends), so results
-match ``torch.optim``. Nothing reads or writes ``.grad``: several threads can step the same
-parameters with different gradients. Eagerly they can use torch's ``foreach`` or ``fused``
-kernels; compiled with :func:`metadist.optim.script_functional_optimizer`, the per-tensor loop.
+``self.state``, laid out as ``torch.optim`` lays it out. ``step(gradients)`` takes one gradient
+per parameter (``None`` leaves that parameter and its state alone) and runs torch's own functional
+kernel (``torch.optim.adam.adam`` and friends), so results match ``torch.optim``. Nothing touches
+``.grad``: several threads can step the same parameters with different gradients.
 
 Example:
     >>> import torch
@@ -18,26 +16,6 @@ Example:
     >>> FunctionalSGD([p, q], lr=0.5).step([torch.ones(2), None])
     >>> p, q  # q had no gradient: left alone
     (tensor([0.5000, 0.5000]), tensor([1., 1.]))
-    >>> p = torch.zeros(1)
-    >>> FunctionalQHM([p], lr=1.0, momentum=0.5, nu=1.0).step([torch.ones(1)])
-    >>> p  # the dampened buffer: 0.5 * 0 + 0.5 * 1
-    tensor([-0.5000])
-    >>> for cls in (FunctionalAdam, FunctionalAdamW, FunctionalAdamax, FunctionalAdagrad,
-    ...             FunctionalRprop):
-    ...     p = torch.zeros(1)
-    ...     cls([p], lr=0.1).step([torch.ones(1)])
-    ...     print(cls.__name__, p)
-    FunctionalAdam tensor([-0.1000])
-    FunctionalAdamW tensor([-0.1000])
-    FunctionalAdamax tensor([-0.1000])
-    FunctionalAdagrad tensor([-0.1000])
-    FunctionalRprop tensor([-0.1000])
-    >>> p = torch.zeros(1)
-    >>> FunctionalRMSprop([p], lr=0.01).step([torch.ones(1)]); p
-    tensor([-0.1000])
-    >>> p = torch.zeros(1)
-    >>> FunctionalAdadelta([p], lr=1.0).step([torch.ones(1)]); bool(p < 0)
-    True
 """
 
 from __future__ import annotations
@@ -111,11 +89,9 @@ def _collect(
     fills: list[float],
     fused: bool,
 ) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]]]:
-    """Parameters that have a gradient, their gradients, and one list per state name.
-
-    State is created at a parameter's first step, as torch.optim creates it: ``"step"`` a scalar
-    (float32 on the parameter's device for fused kernels, on the CPU otherwise), every other name
-    a tensor like the parameter filled with ``fills[i]``.
+    """Parameters that have a gradient, their gradients, and one list per state name; state is
+    created at a parameter's first step as torch.optim creates it (``"step"``: a scalar, float32 on
+    the parameter's device for fused kernels, else on the CPU; others: ``fills[i]`` like ``p``).
     """
     _check_count(len(params), len(gradients))
     kept: list[Tensor] = []
@@ -320,15 +296,8 @@ def _step(
 
 
 class Scriptable:
-    """A functional optimizer as the one class TorchScript compiles (it has no inheritance).
-
-    Args:
-        kind: The algorithm (``"sgd"``, ``"adam"``, ...).
-        params: Parameters to update in place.
-        state: Per-parameter state.
-        defaults: Float hyperparameters.
-        flags: Boolean options.
-    """
+    """A functional optimizer as the one class TorchScript compiles (it has no inheritance): the
+    containers of a :class:`FunctionalOptimizer` and its ``kind`` (``"sgd"``, ``"adam"``, ...)."""
 
     def __init__(
         self,
@@ -412,30 +381,21 @@ class FunctionalOptimizer:
         self.defaults = flat_hparams(hyper)
         self.flags = {k: bool(v) for k, v in hyper.items() if isinstance(v, bool) or v is None}
         self.state = {}
-        first = self.params[0] if self.params else None
         # Flat stepping pays off for fused Adam/AdamW over many small real tensors of one kind
         # (SGD's update is too cheap to win back the copies).
         self._flattens = (
             self.kind in ("adam", "adamw")
             and self.flags.get("fused", False)
-            and first is not None
             and len(self.params) > 1
             and sum(p.numel() for p in self.params) <= FLAT_MAX_MEAN_NUMEL * len(self.params)
-            and all(
-                p.dtype == first.dtype
-                and p.device == first.device
-                and p.layout == torch.strided
-                and not torch.is_complex(p)
-                for p in self.params
-            )
+            and {(p.dtype, p.device, p.layout) for p in self.params}
+            == {(self.params[0].dtype, self.params[0].device, torch.strided)}
+            and not any(torch.is_complex(p) for p in self.params)
         )
 
     @property
     def state(self) -> dict[Tensor, dict[str, Tensor]]:
-        """``{parameter: {name: tensor}}``, as the matching ``torch.optim`` class keeps it.
-
-        Assign a new dict to replace it (as ``load_state_dict`` does).
-        """
+        """``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it; assign to replace it."""
         return self._state
 
     @state.setter
@@ -447,8 +407,7 @@ class FunctionalOptimizer:
         """Update every parameter whose gradient is not ``None``, in place.
 
         Args:
-            gradients: One entry per parameter, in parameter order; ``None`` leaves that
-                parameter and its state alone.
+            gradients: One per parameter, in order; ``None`` leaves a parameter and its state alone.
 
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
@@ -473,12 +432,7 @@ class FunctionalOptimizer:
         _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
 
     def scriptable(self) -> Scriptable:
-        """This optimizer as a :class:`Scriptable` sharing its containers (what TorchScript
-        compiles).
-
-        Returns:
-            The :class:`Scriptable`.
-        """
+        """Return this optimizer as a :class:`Scriptable` sharing its containers."""
         return Scriptable(self.kind, self.params, self.state, self.defaults, self.flags)
 
 
@@ -622,12 +576,13 @@ class FunctionalQHM(FunctionalOptimizer):
 # Each argument described once for every class that takes it (the Args of their docstrings).
 _ARGS = {
     "params": "Parameters to update in place.",
-    "lr": "Learning rate.",
-    "momentum": "Momentum factor.",
+    "lr": "Learning rate (Adadelta: scales the delta; Rprop: the initial step size).",
+    "momentum": "Momentum factor (QHM: in ``[0, 1)``).",
     "dampening": "Dampening for momentum.",
-    "weight_decay": "L2 penalty.",
+    "weight_decay": "Weight decay: L2, or decoupled (AdamW, ``decoupled_weight_decay``, QHM's "
+    '``"direct"``).',
     "nesterov": "Nesterov momentum.",
-    "betas": "Coefficients of the running averages of the gradient and its square.",
+    "betas": "Coefficients of the running averages (Adamax: of the gradient and its inf-norm).",
     "eps": "Term added to the denominator.",
     "amsgrad": "Use the AMSGrad variant.",
     "lr_decay": "Learning-rate decay.",
@@ -644,21 +599,8 @@ _ARGS = {
     "fused": "Fused kernels (eager only).",
     "decoupled_weight_decay": "AdamW-style weight decay.",
 }
-# Where a class means something else by a name.
-_ARGS_OF = {
-    (FunctionalAdam, "weight_decay"): "L2 penalty (decoupled if ``decoupled_weight_decay``).",
-    (FunctionalAdamW, "weight_decay"): "Decoupled weight-decay coefficient.",
-    (FunctionalQHM, "weight_decay"): "Weight-decay factor (applied as ``weight_decay_type`` says).",
-    (FunctionalAdamax, "betas"): "Coefficients of the running average and the infinity norm.",
-    (FunctionalAdadelta, "lr"): "Coefficient that scales the delta.",
-    (FunctionalRprop, "lr"): "Initial step size (read when a parameter's state is created).",
-    (FunctionalQHM, "momentum"): "Momentum factor in ``[0, 1)``.",
-}
 for _cls in FunctionalOptimizer.__subclasses__():
     _cls.__doc__ = "\n".join(
         [inspect.cleandoc(_cls.__doc__ or ""), "", "Args:"]
-        + [
-            f"    {f.name}: {_ARGS_OF.get((_cls, f.name), _ARGS[f.name])}"
-            for f in dataclasses.fields(_cls)
-        ]
+        + [f"    {f.name}: {_ARGS[f.name]}" for f in dataclasses.fields(_cls)]
     )

@@ -1,9 +1,5 @@
-"""Loss scaling for mixed precision when the parameters are spread over several owners.
-
-The sharded-scaler rule (fairscale's ``ShardedGradScaler``): every owner unscales its own
-gradients and reports whether it saw an inf/NaN; the reports are OR-ed on the caller, so either
-every owner steps or every owner skips; then the scale is updated once.
-"""
+"""Loss scaling for mixed precision when the parameters are spread over several owners, by the
+sharded-scaler rule: all owners step or all skip (``docs/optim.md``)."""
 
 from __future__ import annotations
 
@@ -13,27 +9,27 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from metadist.optim.distributed import DistributedOptimizer, check_optimizer
+from metadist.optim.distributed import DistributedOptimizer, _is_number, check_optimizer
 
 __all__ = ["DistributedGradScaler"]
 
 T = TypeVar("T")
-
-
-def _positive(value: Any) -> bool:
-    # Checked first so that a str or None gives the ValueError naming the argument, not a bare
-    # TypeError from the comparison.
-    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+# state_dict key (torch.amp.GradScaler's) -> attribute and type.
+_STATE: dict[str, tuple[str, type]] = {
+    "scale": ("_scale", float),
+    "growth_factor": ("growth_factor", float),
+    "backoff_factor": ("backoff_factor", float),
+    "growth_interval": ("growth_interval", int),
+    "_growth_tracker": ("_growth_tracker", int),
+}
 
 
 class DistributedGradScaler:
     """``torch.amp.GradScaler`` for a :class:`DistributedOptimizer`.
 
-    Per step: ``scaler.scale(loss)`` before the backward pass; optionally
-    ``scaler.unscale_(opt, cid)`` then :func:`clip_grad_norm_`; ``scaler.step(opt, cid)``;
-    ``scaler.update()``. With gradient accumulation call ``scaler.step`` on every pass (it only
-    unscales and checks on the pass that applies) and ``update`` only after that pass, so every
-    pass of a window is scaled by the same factor.
+    Per step: ``scale(loss)``, backward, optionally ``unscale_`` then :func:`clip_grad_norm_`,
+    ``step(opt, cid)``, ``update()``; with accumulation, ``update`` only after the pass that
+    applies. A complete run: ``docs/optim.md``.
 
     Args:
         init_scale: Initial scale factor.
@@ -45,25 +41,6 @@ class DistributedGradScaler:
     Raises:
         ValueError: On a non-positive ``init_scale``, ``growth_factor <= 1``,
             ``backoff_factor`` outside ``(0, 1)`` or ``growth_interval < 1``.
-
-    Example:
-        >>> import torch
-        >>> import torch.distributed.rpc as rpc
-        >>> import metadist
-        >>> from metadist.optim import DistributedGradScaler, DistributedOptimizer
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     w = rpc.RRef(torch.ones(3, requires_grad=True))
-        ...     opt = DistributedOptimizer(torch.optim.SGD, [w], lr=0.5)
-        ...     scaler = DistributedGradScaler(init_scale=2.0**10)
-        ...     with metadist.autograd.context() as cid:
-        ...         loss = w.to_here().sum()  # e.g. computed under torch.autocast
-        ...         metadist.autograd.backward(cid, [scaler.scale(loss)])
-        ...         stepped = scaler.step(opt, cid)  # unscales; skips on inf/NaN
-        ...         scaler.update()
-        ...     return stepped, w.to_here().detach(), scaler.get_scale()
-        >>> main()
-        (True, tensor([0.5000, 0.5000, 0.5000]), 1024.0)
     """
 
     def __init__(
@@ -74,21 +51,18 @@ class DistributedGradScaler:
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
-        if not (_positive(init_scale) and math.isfinite(init_scale)):
+        if not (_is_number(init_scale) and init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
-        if not (_positive(growth_factor) and growth_factor > 1.0):
+        if not (_is_number(growth_factor) and growth_factor > 1.0):
             raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}")
-        if not (_positive(backoff_factor) and backoff_factor < 1.0):
+        if not (_is_number(backoff_factor) and 0 < backoff_factor < 1.0):
             raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
         if not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
-        self._scale = float(init_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
+        self._scale, self._enabled = float(init_scale), enabled
         self.growth_interval = growth_interval
-        self._enabled = enabled
-        self._growth_tracker = 0
-        self._found_inf_since_update = False
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self._growth_tracker, self._found_inf_since_update = 0, False
         self._unscaled: dict[tuple[int, int], bool] = {}
 
     def is_enabled(self) -> bool:
@@ -118,11 +92,6 @@ class DistributedGradScaler:
 
         Raises:
             TypeError: If ``outputs`` holds something other than tensors.
-
-        Example:
-            >>> import torch
-            >>> DistributedGradScaler(init_scale=4.0).scale([torch.tensor(0.5)])
-            [tensor(2.)]
         """
         if not self._enabled:
             return outputs
@@ -133,10 +102,8 @@ class DistributedGradScaler:
         raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {outputs!r}")
 
     def unscale_(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
-        """Unscale the gradients ``optimizer.step(context_id)`` will apply, on every owner.
-
-        One request per owner; each divides its gradients by the scale and reports whether it
-        saw an inf/NaN. Call before :func:`clip_grad_norm_`, at most once per step.
+        """Unscale, on every owner, the gradients ``optimizer.step(context_id)`` will apply
+        (before :func:`clip_grad_norm_`, at most once per step).
 
         Args:
             optimizer: The distributed optimizer.
@@ -162,31 +129,25 @@ class DistributedGradScaler:
         return found
 
     def step(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
-        """Step ``optimizer`` unless any owner found an inf/NaN; then every owner skips.
-
-        On a pass that only accumulates (``not optimizer.next_step_applies``) this just calls
-        ``optimizer.step(context_id)``: the check happens on the gradients that get applied.
+        """Step ``optimizer`` unless any owner found an inf/NaN; then every owner skips (a pass
+        that only accumulates just steps: the check is on the gradients that get applied).
 
         Args:
             optimizer: The distributed optimizer.
             context_id: A distributed-autograd context id created in this process.
 
         Returns:
-            ``True`` if the owners updated their parameters, ``False`` if they skipped (or only
-            accumulated).
+            Whether the owners updated their parameters (not if they skipped or accumulated).
 
         Raises:
             TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
         """
         check_optimizer(optimizer)
         key = (id(optimizer), context_id)
-        if not self._enabled:
+        if not self._enabled or (not optimizer.next_step_applies and key not in self._unscaled):
             self._unscaled.pop(key, None)
             optimizer.step(context_id)
-            return True
-        if not optimizer.next_step_applies and key not in self._unscaled:
-            optimizer.step(context_id)
-            return False
+            return not self._enabled
         if key not in self._unscaled:
             self.unscale_(optimizer, context_id)
         if self._unscaled.pop(key):
@@ -204,44 +165,29 @@ class DistributedGradScaler:
 
         Raises:
             ValueError: If ``new_scale`` is not a positive finite number.
-
-        Example:
-            >>> s = DistributedGradScaler(init_scale=4.0, growth_interval=1)
-            >>> s.update(); s.get_scale()
-            8.0
         """
         if not self._enabled:
             return
         self._unscaled.clear()
         if new_scale is not None:
-            if not (_positive(new_scale) and math.isfinite(new_scale)):
+            if not (_is_number(new_scale) and new_scale > 0 and math.isfinite(new_scale)):
                 raise ValueError(f"new_scale must be a positive finite number, got {new_scale!r}")
-            self._scale = float(new_scale)
-            self._growth_tracker = 0
+            self._scale, self._growth_tracker = float(new_scale), 0
         elif self._found_inf_since_update:
-            self._scale *= self.backoff_factor
-            self._growth_tracker = 0
+            self._scale, self._growth_tracker = self._scale * self.backoff_factor, 0
         else:
             self._growth_tracker += 1
             if self._growth_tracker >= self.growth_interval:
-                self._scale *= self.growth_factor
-                self._growth_tracker = 0
+                self._scale, self._growth_tracker = self._scale * self.growth_factor, 0
         self._found_inf_since_update = False
 
     def state_dict(self) -> dict[str, Any]:
         """Return the scaler's state (``torch.amp.GradScaler`` keys).
 
         Returns:
-            ``{"scale", "growth_factor", "backoff_factor", "growth_interval",
-            "_growth_tracker"}`` values.
+            ``{"scale": ..., "growth_factor": ..., ..., "_growth_tracker": ...}``.
         """
-        return {
-            "scale": self._scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "_growth_tracker": self._growth_tracker,
-        }
+        return {key: getattr(self, attr) for key, (attr, _) in _STATE.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`.
@@ -251,18 +197,8 @@ class DistributedGradScaler:
 
         Raises:
             ValueError: If a key is missing.
-
-        Example:
-            >>> s = DistributedGradScaler()
-            >>> s.load_state_dict(DistributedGradScaler(init_scale=2.0).state_dict())
-            >>> s.get_scale()
-            2.0
         """
-        missing = set(self.state_dict()) - set(state_dict)
-        if missing:
+        if missing := set(_STATE) - set(state_dict):
             raise ValueError(f"state_dict is missing {sorted(missing)}")
-        self._scale = float(state_dict["scale"])
-        self.growth_factor = float(state_dict["growth_factor"])
-        self.backoff_factor = float(state_dict["backoff_factor"])
-        self.growth_interval = int(state_dict["growth_interval"])
-        self._growth_tracker = int(state_dict["_growth_tracker"])
+        for key, (attr, kind) in _STATE.items():
+            setattr(self, attr, kind(state_dict[key]))

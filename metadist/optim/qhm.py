@@ -9,10 +9,8 @@ QHM (Ma & Yarats, 2019) averages a plain SGD step and a momentum step::
     buf = momentum * buf + (1 - momentum) * g     (dampened buffer, kept across steps)
     p   = p - lr * (nu * buf + (1 - nu) * g)
 
-This is the rule of the reference implementation (facebookresearch/qhoptim). The PyTorch recipe's
-version of it reads optimizer state before creating it, recreates the momentum buffer on every
-step and uses the removed ``add_(scalar, tensor)`` overload; :func:`qhm` and :class:`QHM` fix all
-three and never modify the gradient in place.
+This is the rule of the reference implementation (facebookresearch/qhoptim), without the PyTorch
+recipe's bugs (``docs/optim.md``); the gradient is never modified in place.
 """
 
 from __future__ import annotations
@@ -48,21 +46,12 @@ def qhm(
         momentum: Momentum factor ``beta`` in ``[0, 1)``.
         nu: Immediate discount factor: ``1`` is plain (dampened) momentum, ``0`` is plain SGD.
         weight_decay: Weight-decay factor.
-        weight_decay_type: ``"grad"`` adds ``weight_decay * p`` to the gradient; ``"direct"``
-            multiplies ``p`` by ``1 - lr * weight_decay`` before the step.
+        weight_decay_type: ``"grad"`` or ``"direct"`` (see the update rule above).
         maximize: Ascend instead of descend.
         foreach: Use torch's multi-tensor kernels (not under TorchScript).
 
     Raises:
         ValueError: If ``weight_decay_type`` is neither ``"grad"`` nor ``"direct"``.
-
-    Example:
-        >>> import torch
-        >>> p, g, buf = torch.ones(2), torch.ones(2), torch.zeros(2)
-        >>> qhm([p], [g], [buf], lr=0.1, momentum=0.9, nu=0.7, weight_decay=0.0,
-        ...     weight_decay_type="grad")
-        >>> buf
-        tensor([0.1000, 0.1000])
     """
     if weight_decay_type != "grad" and weight_decay_type != "direct":
         raise ValueError(
@@ -119,15 +108,6 @@ class QHM(torch.optim.Optimizer):
     Raises:
         ValueError: On a negative ``lr`` or ``weight_decay``, ``momentum`` outside ``[0, 1)`` or
             an unknown ``weight_decay_type``.
-
-    Example:
-        >>> import torch
-        >>> w = torch.nn.Parameter(torch.ones(3))
-        >>> opt = QHM([w], lr=0.1, momentum=0.9, nu=0.7)
-        >>> w.sum().backward()
-        >>> opt.step()
-        >>> w.detach()  # 1 - 0.1 * (0.7 * 0.1 + 0.3 * 1): the buffer starts at zero
-        tensor([0.9630, 0.9630, 0.9630])
     """
 
     def __init__(
@@ -154,15 +134,9 @@ class QHM(torch.optim.Optimizer):
             raise ValueError(
                 f"weight_decay_type must be 'grad' or 'direct', got {weight_decay_type!r}"
             )
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "nu": nu,
-            "weight_decay": weight_decay,
-            "weight_decay_type": weight_decay_type,
-            "maximize": maximize,
-            "foreach": foreach,
-        }
+        defaults: dict[str, Any] = {"lr": lr, "momentum": momentum, "nu": nu}
+        defaults.update(weight_decay=weight_decay, weight_decay_type=weight_decay_type)
+        defaults.update(maximize=maximize, foreach=foreach)
         super().__init__(params, defaults)
 
     @torch.no_grad()

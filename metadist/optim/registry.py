@@ -7,8 +7,7 @@ here; an unregistered class runs as itself, with ``.grad`` set from the context.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from typing import Any
 
 import torch
 
@@ -16,21 +15,14 @@ from metadist.optim.functional import FunctionalOptimizer
 
 __all__ = ["get_functional_optimizer", "register_functional_optimizer"]
 
-T = TypeVar("T", bound=type)
-
 _lock = threading.Lock()
 # Each of metadist's functional classes names the class it stands in for.
 _REGISTRY: dict[type, type] = {c.torch_class: c for c in FunctionalOptimizer.__subclasses__()}
 
 
-@overload
-def register_functional_optimizer(optimizer_class: type, functional_class: T) -> T: ...
-
-
-@overload
-def register_functional_optimizer(
-    optimizer_class: type, functional_class: None = None
-) -> Callable[[T], T]: ...
+def _check_class(optimizer_class: Any) -> None:
+    if not isinstance(optimizer_class, type):
+        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
 
 
 def register_functional_optimizer(
@@ -38,15 +30,9 @@ def register_functional_optimizer(
 ) -> Any:
     """Register ``functional_class`` as the functional twin of ``optimizer_class``.
 
-    Afterwards ``DistributedOptimizer(optimizer_class, ...)`` steps the owners with
-    ``functional_class`` (a later registration replaces an earlier one). Registration is per
-    process: register at import time of a module every worker imports.
-
-    A functional class takes ``(params: list[Tensor], **hyperparameters)`` with the names of
-    ``optimizer_class``'s param group, keeps ``self.defaults: dict[str, float]`` and ``self.state:
-    dict[Tensor, dict[str, Tensor]]``, and defines ``step(gradients: list[Optional[Tensor]])``
-    (``None``: leave this parameter alone). ``"scripted"`` mode compiles it with
-    ``torch.jit.script``, so keep it TorchScript-compatible.
+    ``DistributedOptimizer(optimizer_class, ...)`` then steps the owners with it (the latest
+    registration wins). Registration is per process: register in a module every worker imports.
+    What a functional class must provide: ``docs/optim.md`` (the QHM section).
 
     Args:
         optimizer_class: The class users pass to ``DistributedOptimizer``.
@@ -58,21 +44,10 @@ def register_functional_optimizer(
     Raises:
         TypeError: If either argument is not a class, or ``functional_class`` has no ``step``
             method or is a ``torch.optim.Optimizer`` (which reads ``.grad``).
-
-    Example:
-        >>> import torch
-        >>> from metadist.optim import FunctionalSGD
-        >>> class MySGD(torch.optim.SGD):
-        ...     pass
-        >>> register_functional_optimizer(MySGD, FunctionalSGD) is FunctionalSGD
-        True
-        >>> get_functional_optimizer(MySGD) is FunctionalSGD
-        True
     """
-    if not isinstance(optimizer_class, type):
-        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+    _check_class(optimizer_class)
 
-    def register(cls: T) -> T:
+    def register(cls: Any) -> Any:
         if not isinstance(cls, type):
             raise TypeError(f"functional_class must be a class, got {cls!r}")
         # Caught here, not on the owners at the first step, where the error would be obscure.
@@ -84,8 +59,7 @@ def register_functional_optimizer(
             )
         if not callable(getattr(cls, "step", None)):
             raise TypeError(
-                f"functional_class must define step(gradients), got {cls.__name__}, which has "
-                "no step method"
+                f"functional_class must define step(gradients); {cls.__name__} does not"
             )
         with _lock:
             _REGISTRY[optimizer_class] = cls
@@ -107,10 +81,7 @@ def get_functional_optimizer(optimizer_class: type) -> type | None:
     Raises:
         TypeError: If ``optimizer_class`` is not a class.
     """
-    if not isinstance(optimizer_class, type):
-        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+    _check_class(optimizer_class)
     with _lock:
         found = _REGISTRY.get(optimizer_class)
-        if found is None and optimizer_class in _REGISTRY.values():
-            return optimizer_class
-    return found
+        return optimizer_class if found is None and optimizer_class in _REGISTRY.values() else found

@@ -1,11 +1,8 @@
 """Compile a functional optimizer instance with TorchScript, while torch still has it.
 
-A class compiled with ``torch.jit.script`` but instantiated from Python stays a Python object;
-held as an attribute of a scripted ``nn.Module`` it moves into TorchScript, and its ``step`` runs
-in the TorchScript interpreter, without the GIL. torch deprecates TorchScript (a
-``DeprecationWarning`` since 2.10) and is set to make ``torch.jit.script`` raise:
-:func:`torchscript_status` says which, so that ``mode="auto"`` steps eagerly instead and
-``mode="scripted"`` fails with a clear message.
+Held by a scripted ``nn.Module``, the optimizer's ``step`` runs in the TorchScript interpreter,
+without the GIL. torch deprecates TorchScript (since 2.10) and is set to make
+``torch.jit.script`` raise: :func:`torchscript_status` says which (``docs/optim.md``).
 """
 
 from __future__ import annotations
@@ -34,12 +31,8 @@ def _probe(x: Tensor) -> Tensor:
 
 @functools.cache
 def torchscript_status() -> tuple[bool, str | None]:
-    """``(works, problem)``: whether ``torch.jit.script`` compiles here, and why not to pick it
-    automatically (``None`` if nothing speaks against it).
-
-    Compiles a one-line function once per process: a missing ``torch.jit.script`` or one that
-    raises does not work; one that warns (deprecated) works but is not picked automatically.
-    """
+    """``(works, problem)``: whether ``torch.jit.script`` compiles a probe here (once per process),
+    and why ``"auto"`` should not pick it (deprecated, say), or ``None``."""
     version = torch.__version__
     script = getattr(torch.jit, "script", None)
     if script is None:
@@ -56,15 +49,11 @@ def torchscript_status() -> tuple[bool, str | None]:
 
 
 class ScriptedFunctionalOptimizer(torch.nn.Module):
-    """A functional optimizer instance held in TorchScript (build it with
+    """A functional optimizer instance held in TorchScript (build it, and see what it raises, with
     :func:`script_functional_optimizer`).
 
     Args:
         optim: A functional optimizer instance (``step(gradients)``, ``state``, ``defaults``).
-
-    Raises:
-        TypeError: If ``optim`` is not a functional optimizer instance.
-        ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
     """
 
     def __init__(self, optim: Any) -> None:
@@ -128,23 +117,12 @@ def script_functional_optimizer(optim: Any) -> Any:
             ``foreach=False`` and ``fused=False``.
 
     Returns:
-        A scripted :class:`ScriptedFunctionalOptimizer` whose ``step``, ``get_state``,
-        ``set_state``, ``get_defaults`` and ``set_defaults`` run in TorchScript.
+        A scripted :class:`ScriptedFunctionalOptimizer`.
 
     Raises:
         TypeError: If ``optim`` is not a functional optimizer instance (checked before compiling).
         ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
-        RuntimeError: If this torch cannot script at all (naming the torch version and the
-            eager alternative), or cannot compile this class.
-
-    Example:
-        >>> import torch
-        >>> from metadist.optim import FunctionalAdam
-        >>> p = torch.zeros(1)
-        >>> scripted = script_functional_optimizer(FunctionalAdam([p], lr=0.1))
-        >>> scripted.step([torch.ones(1)])
-        >>> p, scripted.get_defaults()["lr"]
-        (tensor([-0.1000]), 0.1)
+        RuntimeError: If this torch cannot script at all, or cannot compile this class.
     """
     _check_functional_optimizer(optim)
     works, problem = torchscript_status()
