@@ -54,9 +54,9 @@ def clip_grad_norm_(
         RuntimeError: If ``error_if_nonfinite`` and the total norm is not finite.
     """
     check_optimizer(optimizer)
-    if not _is_number(max_norm) or not max_norm > 0:
+    if not is_number(max_norm) or not max_norm > 0:
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-    if not _is_number(norm_type) or not norm_type > 0:
+    if not is_number(norm_type) or not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
     results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
     norms = [n.float() for _, n in results if n is not None]
@@ -137,7 +137,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"params_rref must be a list of RRefs, got {type(params_rref)!r}")
         if len(params_rref) == 0:
             raise ValueError("params_rref is empty; pass at least one parameter RRef")
-        if not _is_number(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        if not is_number(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(
                 f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
             )
@@ -145,7 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"average_accumulated must be a bool, got {average_accumulated!r}")
         if timeout is None:
             timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
-        elif not (_is_number(timeout) and timeout > 0 and math.isfinite(timeout)):
+        elif not (is_number(timeout) and timeout > 0 and math.isfinite(timeout)):
             raise ValueError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
@@ -410,7 +410,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if key in TUPLE_KEYS and isinstance(value, tuple):
                 out[key] = tuple(float(v) for v in value)
             elif key not in ("params", "initial_lr") and (
-                _is_number(value) or (isinstance(value, Tensor) and value.numel() == 1)
+                is_number(value) or (isinstance(value, Tensor) and value.numel() == 1)
             ):
                 out[key] = float(value)
         return out
@@ -459,7 +459,8 @@ def check_optimizer(optimizer: Any) -> None:
         )
 
 
-def _is_number(value: Any, kind: type | tuple[type, ...] = (int, float)) -> bool:
+def is_number(value: Any, kind: type | tuple[type, ...] = (int, float)) -> bool:
+    """Whether ``value`` is an instance of ``kind`` and not a bool (shared with grad_scaler)."""
     # A bool is an int to Python, never a count or a number of seconds here.
     return isinstance(value, kind) and not isinstance(value, bool)
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from metadist.optim.distributed import DistributedOptimizer, _is_number, check_optimizer
+from metadist.optim.distributed import DistributedOptimizer, check_optimizer, is_number
 
 __all__ = ["DistributedGradScaler"]
 
@@ -51,11 +51,11 @@ class DistributedGradScaler:
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
-        if not (_is_number(init_scale) and init_scale > 0 and math.isfinite(init_scale)):
+        if not (is_number(init_scale) and init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
-        if not (_is_number(growth_factor) and growth_factor > 1.0):
+        if not (is_number(growth_factor) and growth_factor > 1.0):
             raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}")
-        if not (_is_number(backoff_factor) and 0 < backoff_factor < 1.0):
+        if not (is_number(backoff_factor) and 0 < backoff_factor < 1.0):
             raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
         if not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
@@ -170,7 +170,7 @@ class DistributedGradScaler:
             return
         self._unscaled.clear()
         if new_scale is not None:
-            if not (_is_number(new_scale) and new_scale > 0 and math.isfinite(new_scale)):
+            if not (is_number(new_scale) and new_scale > 0 and math.isfinite(new_scale)):
                 raise ValueError(f"new_scale must be a positive finite number, got {new_scale!r}")
             self._scale, self._growth_tracker = float(new_scale), 0
         elif self._found_inf_since_update:
