@@ -25,7 +25,8 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from metadist import autograd, timeline, transport, world
-from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from metadist import worker as remote_worker
+from metadist._pytree import tree_flatten, tree_unflatten
 from metadist.errors import RemoteError, RemoteFailure
 from metadist.partition import batch_partitioner
 from metadist.reduce import PartitionResults, check_sizes
@@ -63,7 +64,7 @@ Partitioner = int | str | Callable[..., Sequence[tuple[int | str, Sequence[Any],
 #: ``reducer(results) -> value`` over the per-partition results in partition order.
 Reducer = Callable[[list[Any]], Any]
 
-_ORIGINAL = "__metadist_original__"
+_ORIGINAL = remote_worker.ORIGINAL
 
 # ----------------------------------------------------------------------------------------------
 # Which object to pickle for ``func`` (checked once per function)
@@ -133,137 +134,6 @@ def _sendable(func: Any) -> Any:
     with contextlib.suppress(TypeError):  # not weak-referenceable: checked on every call
         _SENDABLE[func] = sendable
     return sendable
-
-
-# ----------------------------------------------------------------------------------------------
-# Worker side
-
-
-def _grad_mode() -> int:
-    """The caller's autograd mode, re-created around the partition wherever it runs."""
-    if torch.is_inference_mode_enabled():
-        return _INFERENCE
-    return _GRAD if torch.is_grad_enabled() else _NO_GRAD
-
-
-_NO_GRAD, _GRAD, _INFERENCE = 0, 1, 2
-
-
-def _in_grad_mode(mode: int) -> contextlib.AbstractContextManager[Any]:
-    if mode == _INFERENCE:
-        return torch.inference_mode()
-    if torch.is_grad_enabled() == (mode == _GRAD) and not torch.is_inference_mode_enabled():
-        return contextlib.nullcontext()  # already so (RPC threads run with grad enabled)
-    return torch.set_grad_enabled(mode == _GRAD)
-
-
-class _TieToInput(torch.autograd.Function):
-    """Pass ``output`` through, and give ``received`` a (zero) gradient in the backward pass.
-
-    torch's distributed autograd waits, in every backward pass of a context, until the node that
-    received a message's tensors on a worker has sent their gradients back. A remote function
-    whose result depends on none of them (a fresh leaf made on the worker, arguments it ignores)
-    would leave that wait unfinished forever. All tensors of one message share that node, so
-    tying the result to one of them is enough: the node then runs and returns zeros for every
-    tensor the result did not use, as their true gradient is. It also makes the caller's check
-    of which results a backward pass reaches exact through chained calls.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
-        ctx.shape, ctx.dtype = received.shape, received.dtype
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, grad.new_zeros(()).to(ctx.dtype).expand(ctx.shape)
-
-
-def _received_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """A tensor (or module parameter) that arrived through distributed autograd, if any."""
-    leaves, _ = tree_flatten((args, kwargs))
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if leaf.grad_fn is not None:
-                return leaf
-        elif isinstance(leaf, torch.nn.Module):
-            for p in leaf.parameters():
-                if p.grad_fn is not None:
-                    return p
-    return None
-
-
-def _finish_result(result: Any, received: torch.Tensor | None) -> Any:
-    """Tie the result to a received input; refuse results that cannot travel faithfully."""
-    if received is None and type(result) is torch.Tensor:
-        return result  # the common case: nothing to tie, nothing to refuse
-    leaves, spec = tree_flatten(result)
-    tied = received is None
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, (torch.nn.Module, torch.nn.Parameter)):
-            kind = "a module" if isinstance(leaf, torch.nn.Module) else "an nn.Parameter"
-            raise TypeError(
-                f"the result holds {kind} ({type(leaf).__name__}) at "
-                f"result{_result_path(result, i)}: it would reach the caller as a detached copy, "
-                f"linked to no gradient. Return tensors computed from it instead (for a module, "
-                f"e.g. {{name: p * 1 for name, p in module.named_parameters()}})"
-            )
-        if not tied and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            leaves[i] = _TieToInput.apply(leaf, received)
-            tied = True
-    return tree_unflatten(leaves, spec) if received is not None and tied else result
-
-
-def _result_path(result: Any, index: int) -> str:
-    pairs, _ = tree_flatten_with_path(result)
-    return keystr(pairs[index][0])
-
-
-class _Timed:
-    """A partition's result with the worker's clock at the start and the end of the function."""
-
-    __slots__ = ("end", "start", "value")
-
-    def __init__(self, value: Any, start: float, end: float) -> None:
-        self.value = value
-        self.start = start
-        self.end = end
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_Timed, (self.value, self.start, self.end))
-
-
-def _run_partition(  # noqa: PLR0917 - the RPC target; positional on the wire
-    func: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    needs_decode: bool,
-    compression: torch.dtype | None,
-    grad_mode: int = _GRAD,
-    timed: bool = False,
-    differentiable: bool = False,
-) -> Any:
-    """Run one partition on this worker (the RPC target of every remote call).
-
-    ``differentiable``: the caller sent tensors that distributed autograd records.
-    """
-    start = timeline.now() if timed else 0.0
-    world.use_process_threads()  # an RPC handler thread: see world.use_process_threads
-    try:
-        if needs_decode:
-            args, kwargs = transport.decode(args, kwargs)
-    except Exception as error:
-        return RemoteFailure.capture(error, rpc.get_worker_info().name, "decode")
-    try:
-        with _in_grad_mode(grad_mode):
-            result = getattr(func, _ORIGINAL, func)(*args, **kwargs)
-            received = _received_input(args, kwargs) if differentiable else None
-            result = _finish_result(result, received)
-        if compression is not None:
-            result = transport.compress_tree(result, compression)
-    except Exception as error:
-        return RemoteFailure.capture(error, rpc.get_worker_info().name, "call")
-    return _Timed(result, start, timeline.now()) if timed else result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,6 +257,17 @@ def _rpc_error(
     )
 
 
+class _Linkable:
+    """A kept result's leaves until the call links them (see ``_Call._linked``)."""
+
+    __slots__ = ("flat", "outputs", "spec")
+
+    def __init__(self, flat: list[Any], spec: Any, outputs: tuple[int, ...]) -> None:
+        self.flat = flat
+        self.spec = spec
+        self.outputs = outputs
+
+
 #: Partitions a synchronous call keeps in flight on each remote worker; the others wait on the
 #: caller until one finishes. Two keep a worker busy while the caller hands it the next one,
 #: and bound how many RPC threads one call can hold on a worker, so that nested calls of any
@@ -418,19 +299,23 @@ class _Call:
         "func_name",
         "futures",
         "grad_mode",
+        "gradients",
         "in_flight",
         "input_nodes",
         "local",
         "new_structures",
         "own",
         "parts",
+        "positions",
         "queues",
         "records",
         "reducer",
         "shares_gradients",
         "sizes",
+        "sources",
         "timeline",
         "timeout",
+        "token",
         "workers",
         "world_token",
     )
@@ -449,8 +334,19 @@ class _Call:
         self.compression: torch.dtype | None = None
         self.timeout = 0.0
         self.world_token: object = None
+        self.grad_mode = remote_worker.grad_mode()
+        # Inside a distributed autograd context the call travels attached to it, and torch's
+        # engine differentiates it (RRefs fetched inside partitions need that); a partition's
+        # own nested calls are never attached, since the worker differentiates its partition.
         self.context_id = autograd.current_context()
-        self.grad_mode = _grad_mode()
+        if self.context_id is None and not remote_worker.serving():
+            self.context_id = autograd.torch_context_id()
+        # Outside a context: the link to the workers' kept graphs (see metadist.autograd) and,
+        # per remote partition, where its arguments that require grad sit in the link's list.
+        self.gradients: autograd.RemoteGradients | None = None
+        self.token: torch.Tensor | None = None
+        self.positions: dict[int, list[int]] = {}
+        self.sources: list[torch.Tensor] = []
         self.func: Any = None
         self.own = ""
         self.parts: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
@@ -480,14 +376,14 @@ class _Call:
     def send(self, index: int, worker: str) -> None:
         """Send partition ``index`` to ``worker`` (encoded already)."""
         self.workers[index] = worker
-        e_args, e_kwargs, needs_decode, self.new_structures[index] = self.encoded.pop(index)
+        e_args, e_kwargs, needs_decode, self.new_structures[index], _ = self.encoded.pop(index)
         timed = self.timeline is not None
         if timed:
             self._record(index, worker, transport.wire_bytes((e_args, e_kwargs)))
         try:
             future = rpc.rpc_async(
                 worker,
-                _run_partition,
+                remote_worker.run_partition,
                 args=(
                     self.func,
                     e_args,
@@ -496,7 +392,8 @@ class _Call:
                     self.compression,
                     self.grad_mode,
                     timed,
-                    self.differentiable[index],
+                    self.context_id is not None and self.grad_mode == remote_worker.GRAD,
+                    autograd.released(self.world_token, worker),
                 ),
                 timeout=self.timeout,
             )
@@ -523,7 +420,7 @@ class _Call:
             self.records[index].start = self.records[index].sent
         try:
             result = getattr(self.func, _ORIGINAL, self.func)(*args, **kwargs)
-            _finish_result(result, None)
+            remote_worker.check_result(result)
         except Exception as error:
             failure = RemoteFailure.capture(error, self.own, "call")
             raised = failure.to_exception(index, len(self.parts), self.func_name)
@@ -609,7 +506,7 @@ class _Call:
         except Exception as error:
             return False, _rpc_error(error, index, len(self.workers), worker, self.timeout)
         notify = None
-        if isinstance(value, _Timed):
+        if isinstance(value, remote_worker.Timed):
             record = self.records[index]
             record.start, record.end, value = value.start, value.end, value.value
             record.bytes_in = transport.wire_bytes(value)
@@ -621,8 +518,13 @@ class _Call:
                 )
             return False, value.to_exception(index, len(self.workers), self.func_name)
         transport.mark_structure_confirmed(self.world_token, worker, self.new_structures[index])
+        graph = None
+        if isinstance(value, remote_worker.Graph):
+            graph, value = value, value.value
         if self.compression is not None:
             value = transport.decompress_tree(value)
+        if graph is not None:
+            value = self._kept(index, worker, graph, value)
         if self.context_id is not None:
             value = autograd.receive(
                 self.context_id,
@@ -634,12 +536,75 @@ class _Call:
             )
         return True, value
 
+    def link_arguments(self, remote: list[int]) -> None:
+        """Make the node that will hold the gradients of the remote partitions' arguments.
+
+        Before the caller runs any partition itself, so that a backward pass reaches this node
+        after the caller's own partitions (see :mod:`metadist.autograd`).
+        """
+        inputs: list[torch.Tensor] = []
+        where: dict[int, int] = {}
+        for i in remote:
+            sources = self.encoded[i][4]
+            for t in sources:
+                if id(t) not in where:
+                    where[id(t)] = len(inputs)
+                    inputs.append(t)
+            self.positions[i] = [where[id(t)] for t in sources]
+        self.sources = inputs
+        if inputs:
+            self.gradients, self.token = autograd.arguments_node(
+                inputs, self.world_token, self.compression
+            )
+
+    def _kept(self, index: int, worker: str, graph: remote_worker.Graph, value: Any) -> Any:
+        """A result whose graph ``worker`` kept: note its part of the call's link."""
+        if graph.written:
+            with torch.no_grad():
+                for k, g in graph.written:
+                    source = self.sources[self.positions[index][k]]
+                    if source.is_leaf:  # a non-leaf's .grad is not kept locally either
+                        if self.compression is not None:
+                            g = g.to(source.dtype)  # noqa: PLW2901
+                        source.grad = g if source.grad is None else source.grad + g
+        flat, spec = tree_flatten(value)
+        if not graph.outputs:
+            return value
+        if graph.number < 0 or self.gradients is None:
+            # No argument of the caller's under it: its tensors are fresh leaves.
+            for i in graph.outputs:
+                flat[i].requires_grad_(True)
+            return value
+        record = self.records.get(index)
+        self.gradients.parts.append(
+            autograd.Part(worker, graph.number, self.positions[index], len(graph.outputs), record)
+        )
+        self.gradients.kept.append((worker, graph.number))
+        return _Linkable(flat, spec, graph.outputs)
+
+    def _linked(self, outcomes: list[tuple[bool, Any]]) -> list[tuple[bool, Any]]:
+        """The outcomes with the kept results' tensors made outputs of the call's link."""
+        linkable = [v for ok, v in outcomes if ok and isinstance(v, _Linkable)]
+        if not linkable:
+            return outcomes
+        assert self.gradients is not None
+        assert self.token is not None
+        outputs = [item.flat[i] for item in linkable for i in item.outputs]
+        linked = iter(autograd.results_node(self.gradients, self.token, outputs))
+        for item in linkable:
+            for i in item.outputs:
+                item.flat[i] = next(linked)
+        return [
+            (ok, tree_unflatten(v.flat, v.spec) if ok and isinstance(v, _Linkable) else v)
+            for ok, v in outcomes
+        ]
+
     def collect(self) -> Any:
         """Wait for *every* partition (none is left pending), then reduce or raise."""
         world.wait_all([f for f in self.futures if f is not None])
         if self.bar is not None:
             self.bar.close()
-        outcomes = [self._outcome(i) for i in range(len(self.workers))]
+        outcomes = self._linked([self._outcome(i) for i in range(len(self.workers))])
         values = [value for ok, value in outcomes if ok]
         errors = [error for ok, error in outcomes if not ok]
         if errors:
@@ -653,7 +618,7 @@ class _Call:
             raise first
         if self.reducer is None:
             return values
-        with _in_grad_mode(self.grad_mode):
+        with remote_worker.in_grad_mode(self.grad_mode):
             return self.reducer(PartitionResults(values, self.sizes))
 
     def future(self) -> Future[Any]:
@@ -746,7 +711,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
         call.world_token = world.world_token()
         # RPC attaches these partitions to the distributed autograd context; their argument
         # graphs let a backward pass follow results sent on to further calls (see autograd).
-        attached = call.context_id is not None and call.grad_mode == _GRAD
+        attached = call.context_id is not None and call.grad_mode == remote_worker.GRAD
         call.shares_gradients = attached
         memo = transport.CallMemo()
         # Encode every partition that may travel before sending anything, so that bad input
@@ -764,6 +729,8 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
                 memo=memo,
                 attached=attached,
             )
+        if not attached and call.grad_mode == remote_worker.GRAD:
+            call.link_arguments(remote)
     for i, (_, p_args, p_kwargs) in enumerate(parts):
         if i not in call.encoded:  # runs in-process: the same checks as if it were sent
             transport.check_sendable(p_args, p_kwargs)
@@ -1009,9 +976,17 @@ def _parallelizer(
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            # The wrapper is what pickles by name; workers run _ORIGINAL (see _run_partition).
+            # The wrapper is what pickles by name; workers run _ORIGINAL (see run_partition).
             call = _start(
-                wrapper, args, kwargs, partitioner, reducer, timeout, compression, sync=sync
+                wrapper,
+                args,
+                kwargs,
+                partitioner,
+                reducer,
+                timeout,
+                compression,
+                sync=sync,
+                progress=progress,
             )
             return call.collect() if sync else call.future()
 

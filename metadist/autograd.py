@@ -39,21 +39,310 @@ import collections
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 
 # Re-exported by torch.distributed.autograd from its C extension; typed as untyped there.
 from torch.distributed.autograd import backward as _dist_backward  # type: ignore[attr-defined]
 from torch.distributed.autograd import get_gradients as _dist_get_gradients  # type: ignore[attr-defined]
 
+from metadist import timeline, transport
+from metadist import worker as remote_worker
 from metadist._pytree import tree_flatten, tree_unflatten
+from metadist.errors import RemoteError, RemoteFailure
 from metadist.world import require_rpc
 
 # current_context, grad_inputs and receive are metadist.api's way in; not part of the user API.
 __all__ = ["backward", "context", "get_gradients", "grad"]
+
+# ------------------------------------------------------------------------------------------------
+# A remote call as a differentiable function (outside distributed autograd contexts)
+#
+# The worker keeps each partition's graph (metadist.worker); on the caller, the call is two
+# nodes. ``_Arguments`` is made before the caller's own partitions run, so the engine, which
+# runs the newest ready node first, reaches it after their backward: it waits for the answers
+# and returns the arguments' gradients. ``_Results`` is made when the results arrive, so it runs
+# as soon as their gradients are known: it sends them, one request per worker, and hands
+# ``_Arguments`` a zero so that the workers' backward overlaps the caller's own.
+
+# Graphs the caller no longer needs, per (world, worker): sent along with the next message to
+# that worker rather than in messages of their own.
+_RELEASED: dict[tuple[object, str], list[int]] = {}
+_RELEASED_LOCK = threading.Lock()
+
+
+def released(world_token: object, worker: str) -> tuple[int, ...]:
+    """Take the numbers of ``worker``'s graphs that the caller's graph no longer holds."""
+    with _RELEASED_LOCK:
+        numbers = _RELEASED.pop((world_token, worker), None)
+    return tuple(numbers) if numbers else ()
+
+
+def _release(world_token: object, kept: list[tuple[str, int]]) -> None:
+    with _RELEASED_LOCK:
+        for worker, number in kept:
+            _RELEASED.setdefault((world_token, worker), []).append(number)
+
+
+def _release_when_dropped(ctx: Any, world_token: object, kept: list[tuple[str, int]]) -> None:
+    """Release ``kept`` when the node ``ctx`` is freed with the caller's graph."""
+    ctx.marker = torch.empty(0)
+    weakref.finalize(ctx.marker, _release, world_token, kept)  # ``kept`` may still grow
+
+
+def _release_after_full_pass(ctx: Any, world_token: object, kept: list[tuple[str, int]]) -> None:
+    """Release ``kept`` after a backward pass without ``retain_graph`` that reached every output.
+
+    A custom node cannot see ``retain_graph``, but torch frees a node's saved tensors after
+    such a pass: a marker saved on the node tells. A pass that reached only some outputs frees
+    nothing on the workers, since a later pass may still reach the others, as it could locally.
+    """
+    marker = torch.empty(0)
+    ctx.full_pass = [False]
+    weakref.finalize(marker, _release_if, ctx.full_pass, world_token, kept)
+    ctx.save_for_backward(marker)
+
+
+def _release_if(full_pass: list[bool], world_token: object, kept: list[tuple[str, int]]) -> None:
+    if full_pass[0]:
+        _release(world_token, kept)
+
+
+class Part:
+    """One remote partition's kept graph, as the caller sees it."""
+
+    __slots__ = ("inputs", "number", "outputs", "record", "worker")
+
+    def __init__(
+        self, worker: str, number: int, inputs: list[int], outputs: int, record: Any
+    ) -> None:
+        self.worker = worker
+        self.number = number
+        self.inputs = inputs  # positions in the call's argument list
+        self.outputs = outputs  # how many of the results' tensors require grad
+        self.record = record  # the partition's timeline record, or None
+
+
+class RemoteGradients:
+    """The state one remote call's two nodes share: its arguments, its parts, the answers."""
+
+    # No tensors here: the nodes hold this object, and a tensor whose graph holds them would
+    # make a reference cycle through torch's C++ nodes that Python's collector cannot see.
+    def __init__(self, inputs: int, world_token: object, compression: Any) -> None:
+        self.inputs = inputs
+        self.world_token = world_token
+        self.compression = compression
+        self.parts: list[Part] = []
+        self.kept: list[tuple[str, int]] = []  # what the release marker releases
+        self.futures: dict[str, Any] = {}
+        self.sent: list[tuple[Part, list[torch.Tensor | None]]] = []
+
+    def send(self, grads: tuple[torch.Tensor | None, ...], create_graph: bool) -> None:
+        """Send the results' gradients, one request per worker; don't wait for the answers."""
+        per_worker: dict[str, list[tuple[Part, list[torch.Tensor | None]]]] = {}
+        offset = 0
+        for part in self.parts:
+            mine = list(grads[offset : offset + part.outputs])
+            offset += part.outputs
+            if any(g is not None for g in mine):
+                per_worker.setdefault(part.worker, []).append((part, mine))
+        self.sent = [item for items in per_worker.values() for item in items]
+        self.futures = {}
+        log = timeline.active()
+        for worker, items in per_worker.items():
+            if log is not None:
+                log.add_request(worker)
+                for part, _ in items:
+                    if part.record is not None:
+                        part.record.gradients_sent = timeline.now()
+            self.futures[worker] = request(
+                worker,
+                [(p.number, g) for p, g in items],
+                create_graph,
+                self.compression,
+                self.world_token,
+            )
+
+    def collect(self, inputs: tuple[torch.Tensor, ...], create_graph: bool) -> list[Any]:
+        """Wait for the answers; return the gradient of each argument (``None``: not reached)."""
+        totals: list[torch.Tensor | None] = [None] * self.inputs
+        by_worker: dict[str, list[Any]] = {}
+        for worker, future in self.futures.items():
+            by_worker[worker] = answers(worker, future)
+        for worker, items in _grouped(self.sent).items():
+            for (part, grads), (answer, number, diff) in zip(items, by_worker[worker], strict=True):
+                found = answer
+                if create_graph and number >= 0:
+                    found = _second_order(part, inputs, grads, answer, number, diff, self)
+                for position, g in zip(part.inputs, found, strict=True):
+                    if g is not None:
+                        total = totals[position]
+                        totals[position] = g if total is None else total + g
+        self.futures = {}
+        self.sent = []
+        return totals
+
+
+def _grouped(sent: list[tuple[Part, Any]]) -> dict[str, list[tuple[Part, Any]]]:
+    grouped: dict[str, list[tuple[Part, Any]]] = {}
+    for part, grads in sent:
+        grouped.setdefault(part.worker, []).append((part, grads))
+    return grouped
+
+
+def request(
+    worker: str,
+    items: list[tuple[int, list[torch.Tensor | None]]],
+    create_graph: bool,
+    compression: Any,
+    world_token: object,
+) -> Any:
+    """Send one gradient request to ``worker``; a future of its answers."""
+    if compression is not None:
+        items = [(n, transport.compress_tree(g, compression)) for n, g in items]
+    return rpc.rpc_async(
+        worker,
+        remote_worker.vjp,
+        args=(items, create_graph, compression, released(world_token, worker)),
+    )
+
+
+def answers(worker: str, future: Any) -> list[Any]:
+    """The answers of a gradient request, or the worker's error raised here."""
+    try:
+        value = future.wait()
+    except Exception as error:
+        raise RemoteError(
+            f"the gradient request to worker {worker!r} failed in RPC: {type(error).__name__}: "
+            f"{error}",
+            worker_name=worker,
+        ) from error
+    if isinstance(value, RemoteFailure):
+        raise value.to_exception(-1, 0, "backward of a remote call")
+    return [(transport.decompress_tree(g), n, d) for g, n, d in value]
+
+
+def _second_order(  # noqa: PLR0917
+    part: Part,
+    inputs: tuple[torch.Tensor, ...],
+    grads: list[torch.Tensor | None],
+    found: list[torch.Tensor | None],
+    number: int,
+    diff: tuple[int, ...],
+    state: RemoteGradients,
+) -> list[torch.Tensor | None]:
+    """The answer as the output of a node of its own, differentiable again (create_graph)."""
+    sources = [inputs[p] for p in part.inputs] + [g for g in grads if g is not None]
+    graph = _KeptGraph(part.worker, number, len(diff), state.world_token, state.compression)
+    linked = _Kept.apply(graph, [found[i] for i in diff], *sources)
+    result = list(found)
+    for i, t in zip(diff, linked, strict=True):
+        result[i] = t
+    return result
+
+
+class _KeptGraph:
+    __slots__ = ("compression", "number", "outputs", "worker", "world_token")
+
+    def __init__(
+        self, worker: str, number: int, outputs: int, world_token: object, compression: Any
+    ) -> None:
+        self.worker = worker
+        self.number = number
+        self.outputs = outputs
+        self.world_token = world_token
+        self.compression = compression
+
+
+class _Kept(torch.autograd.Function):
+    """One kept graph as a single node: its backward asks the worker and waits (higher orders)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, graph: _KeptGraph, outputs: list[torch.Tensor], *sources: torch.Tensor
+    ) -> Any:
+        ctx.graph = graph
+        ctx.sources = sources  # inputs: holding them makes no reference cycle
+        ctx.set_materialize_grads(False)
+        kept = [(graph.worker, graph.number)]
+        _release_when_dropped(ctx, graph.world_token, kept)
+        _release_after_full_pass(ctx, graph.world_token, kept)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        graph: _KeptGraph = ctx.graph
+        sources = ctx.sources
+        ctx.full_pass[0] = all(g is not None for g in grads)
+        if all(g is None for g in grads):
+            return (None, None, *[None] * len(sources))
+        create_graph = torch.is_grad_enabled()
+        part = Part(graph.worker, graph.number, list(range(len(sources))), graph.outputs, None)
+        state = RemoteGradients(len(sources), graph.world_token, graph.compression)
+        state.parts = [part]
+        state.send(grads, create_graph)
+        return (None, None, *state.collect(tuple(sources), create_graph))
+
+
+class _Arguments(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, state: RemoteGradients, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.state = state
+        ctx.inputs = inputs  # for create_graph; inputs make no reference cycle
+        _release_when_dropped(ctx, state.world_token, state.kept)
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> Any:
+        state: RemoteGradients = ctx.state
+        return (None, *state.collect(ctx.inputs, torch.is_grad_enabled()))
+
+
+class _Results(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, state: RemoteGradients, outputs: list[torch.Tensor], token: torch.Tensor
+    ) -> Any:
+        ctx.state = state
+        ctx.set_materialize_grads(False)
+        _release_after_full_pass(ctx, state.world_token, state.kept)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        ctx.full_pass[0] = all(g is not None for g in grads)
+        ctx.state.send(grads, torch.is_grad_enabled())
+        return None, None, torch.zeros(())
+
+
+def arguments_node(
+    inputs: list[torch.Tensor], world_token: object, compression: Any
+) -> tuple[RemoteGradients, torch.Tensor]:
+    """Start a remote call's gradient link: the node that will hold its arguments' gradients.
+
+    Made before the caller runs its own partitions (see the notes above). Returns the shared
+    state and the token to hand to :func:`results_node`.
+    """
+    state = RemoteGradients(len(inputs), world_token, compression)
+    return state, _Arguments.apply(state, *inputs)
+
+
+def results_node(
+    state: RemoteGradients, token: torch.Tensor, outputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Finish the link once every part has arrived: ``outputs`` made differentiable.
+
+    ``outputs`` are the parts' received tensors that require grad, in the order of
+    ``state.parts``.
+    """
+    state.kept.extend((p.worker, p.number) for p in state.parts)
+    return list(_Results.apply(state, outputs, token))
+
 
 # ------------------------------------------------------------------------------------------------
 # What metadist knows about each open context: written by remote calls, read by backward passes
@@ -88,6 +377,19 @@ class _ContextRecord:
 
 _RECORDS: dict[int, _ContextRecord] = {}
 _RECORDS_LOCK = threading.Lock()
+
+
+def torch_context_id() -> int | None:
+    """The id of the distributed autograd context active on this thread, opened by anyone.
+
+    torch offers no public way to ask; ``_current_context`` is the one private name metadist
+    reads, so that calls made inside a context the user opened with
+    ``torch.distributed.autograd.context()`` travel attached to it.
+    """
+    try:
+        return int(dist_autograd._current_context()._context_id())  # type: ignore[attr-defined]
+    except RuntimeError:
+        return None
 
 
 def current_context() -> int | None:

@@ -47,8 +47,8 @@ class PartitionRecord:
         end: When the worker finished it.
         bytes_out: Tensor bytes sent to the worker (0 in-process).
         bytes_in: Tensor bytes of the result.
-        gradients_sent: When a backward pass sent the gradients of its result back (remote
-            partitions in a distributed autograd context), else ``None``.
+        gradients_sent: When a backward pass last sent the gradients of its result back
+            (remote partitions), else ``None``.
     """
 
     call: int
@@ -69,6 +69,9 @@ class Timeline:
 
     def __init__(self) -> None:
         self.partitions: list[PartitionRecord] = []
+        #: ``(worker, time)`` of every gradient request a backward pass sent (one per worker and
+        #: remote call reached, whatever the number of its partitions there).
+        self.gradient_requests: list[tuple[str, float]] = []
         self.calls = 0
         self._lock = threading.Lock()
 
@@ -77,6 +80,11 @@ class Timeline:
         with self._lock:
             self.calls += 1
             return self.calls - 1
+
+    def add_request(self, worker: str) -> None:
+        """Note a gradient request sent to ``worker`` now."""
+        with self._lock:
+            self.gradient_requests.append((worker, now()))
 
     def add(self, record: PartitionRecord) -> PartitionRecord:
         """Keep ``record`` (filled in as the partition proceeds)."""

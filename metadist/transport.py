@@ -479,7 +479,7 @@ def _encode_module(
     params: list[torch.Tensor] = []
     param_dtypes: list[torch.dtype] = []
     requires_grad = 0
-    packed = _pack(plan, modules, dtype) if attached else None
+    packed = _pack(plan, modules, dtype, attached)
     for i, (k, _, p) in enumerate(plan.param_reads):
         if packed is not None:
             requires_grad |= int(p.requires_grad) << i
@@ -525,7 +525,9 @@ def _encode_module(
     return plan, parts
 
 
-def _pack(plan: _SendPlan, modules: tuple[nn.Module, ...], dtype: torch.dtype | None) -> Any:
+def _pack(
+    plan: _SendPlan, modules: tuple[nn.Module, ...], dtype: torch.dtype | None, attached: bool
+) -> Any:
     """The module's parameters as one :class:`_Packed` tensor, or ``None`` where that won't do."""
     tensors = [p for _, _, p in plan.param_reads]
     if len(tensors) < 2 or len({t.dtype for t in tensors}) > 1:
@@ -537,7 +539,7 @@ def _pack(plan: _SendPlan, modules: tuple[nn.Module, ...], dtype: torch.dtype | 
     if any(getattr(m, "sparse", False) is True for m in modules):
         return None  # sparse gradients cannot flow through the flat buffer's views
     flat = torch.cat(
-        [t.reshape(-1) if t.requires_grad else t.detach().reshape(-1) for t in tensors]
+        [t.reshape(-1) if attached and t.requires_grad else t.detach().reshape(-1) for t in tensors]
     )
     wire, original = _wire(flat, dtype)
     return _Packed(
@@ -644,7 +646,7 @@ def encode(
     dtype: torch.dtype | None,
     memo: CallMemo,
     attached: bool = False,
-) -> tuple[tuple[Any, ...], dict[str, Any], bool, tuple[str, ...]]:
+) -> tuple[tuple[Any, ...], dict[str, Any], bool, tuple[str, ...], list[torch.Tensor]]:
     """Prepare one partition's arguments for the wire (caller side).
 
     Args:
@@ -659,8 +661,10 @@ def encode(
             ``requires_grad`` back on the worker.
 
     Returns:
-        ``(args, kwargs, needs_decode, new_structures)``: the arguments to send, whether the worker
-        must :func:`decode` them, and the fingerprints of the structures sent along.
+        ``(args, kwargs, needs_decode, new_structures, sources)``: the arguments to send, whether
+        the worker must :func:`decode` them, the fingerprints of the structures sent along, and
+        (when not ``attached``) the tensors that travel detached but require grad, in the order
+        in which :func:`decode` makes them leaves on the worker.
 
     Raises:
         TypeError: A module argument cannot be pickled, or an object pytree cannot look into
@@ -672,13 +676,16 @@ def encode(
         False
     """
     if not _needs_encoding(args, dtype, attached) and not _needs_encoding(kwargs, dtype, attached):
-        return args, kwargs, False, ()  # the common fast path: nothing to rewrite
+        return args, kwargs, False, (), []  # the common fast path: nothing to rewrite
     leaves, spec = tree_flatten((args, kwargs))
     changed = False
     new_structures: list[str] = []
+    sources: list[torch.Tensor] = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, nn.Module):
             plan, parts = _encode_module(leaf, (args, kwargs, i), dtype, memo, attached)
+            if not attached:
+                sources.extend(p for _, _, p in plan.param_reads if p.requires_grad)
             structure = None
             if not _is_confirmed(world, worker, plan.fingerprint):
                 structure = plan.structure
@@ -689,6 +696,7 @@ def encode(
             if leaf.requires_grad and not attached:
                 t, original = _wire(leaf.detach(), dtype)
                 leaves[i] = _GradLeaf(t if original is None else _Compressed(t, original))
+                sources.append(leaf)
                 changed = True
             elif isinstance(leaf, nn.Parameter):
                 wire = memo.tensors.get(id(leaf))
@@ -707,9 +715,9 @@ def encode(
         elif not _is_plain(leaf):
             _refuse_hidden_grad(leaf, (args, kwargs, i))
     if not changed:
-        return args, kwargs, False, ()
+        return args, kwargs, False, (), sources
     new_args, new_kwargs = tree_unflatten(leaves, spec)
-    return new_args, new_kwargs, True, tuple(new_structures)
+    return new_args, new_kwargs, True, tuple(new_structures), sources
 
 
 def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -876,7 +884,7 @@ def _unpack(packed: _Packed, requires_grad: int) -> list[torch.Tensor]:
     ]
 
 
-def _decode_module(ref: _ModuleRef) -> nn.Module:
+def _decode_module(ref: _ModuleRef, leaves: list[torch.Tensor] | None) -> nn.Module:
     rebuilder = _rebuilder(ref.fingerprint, ref.structure)
     if isinstance(ref.params, _Packed):
         params = _unpack(ref.params, ref.requires_grad)
@@ -884,11 +892,14 @@ def _decode_module(ref: _ModuleRef) -> nn.Module:
         params = list(ref.params)
         if ref.param_dtypes is not None:
             params = [_unwire(t, d) for t, d in zip(params, ref.param_dtypes, strict=True)]
-    for i, t in enumerate(params):
-        # Outside a distributed autograd context nothing is tracked; keep requires_grad anyway
-        # so local autograd inside the remote function behaves as with the caller's module.
-        if ref.requires_grad >> i & 1 and not t.requires_grad:
-            t.requires_grad_(True)
+    if leaves is not None:
+        # Sent detached: the worker's module holds nn.Parameter leaves, as the caller's does,
+        # and the worker differentiates with respect to them when asked (metadist.worker).
+        params = [
+            nn.Parameter(t, requires_grad=bool(ref.requires_grad >> i & 1))
+            for i, t in enumerate(params)
+        ]
+        leaves.extend(p for p in params if p.requires_grad)
     buffers = list(ref.buffers)
     if ref.buffer_dtypes is not None:
         buffers = [
@@ -898,36 +909,45 @@ def _decode_module(ref: _ModuleRef) -> nn.Module:
     return rebuilder.build(params, buffers, ref.training)
 
 
-def decode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def decode(
+    args: tuple[Any, ...], kwargs: dict[str, Any], *, leaves: bool = False
+) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
     """Rebuild modules and decompress tensors of arguments made by :func:`encode` (worker side).
 
     Args:
         args: Positional arguments as received.
         kwargs: Keyword arguments as received.
+        leaves: The call travelled detached (no distributed autograd context): module
+            parameters become ``nn.Parameter`` leaves, and the leaves that require grad are
+            returned in the order of :func:`encode`'s ``sources``.
 
     Returns:
-        The arguments the remote function is called with.
+        ``(args, kwargs, leaves)``: the arguments the remote function is called with, and the
+        leaves that require grad (empty unless ``leaves``).
 
     Raises:
         RuntimeError: A module structure is neither sent along nor cached.
 
     Example:
         >>> decode((1,), {"a": 2})
-        ((1,), {'a': 2})
+        ((1,), {'a': 2}, [])
     """
-    leaves, spec = tree_flatten((args, kwargs))
-    for i, leaf in enumerate(leaves):
+    flat, spec = tree_flatten((args, kwargs))
+    made: list[torch.Tensor] | None = [] if leaves else None
+    for i, leaf in enumerate(flat):
         if isinstance(leaf, _ModuleRef):
-            leaves[i] = _decode_module(leaf)
+            flat[i] = _decode_module(leaf, made)
         elif isinstance(leaf, _Compressed):
-            leaves[i] = _unwire(leaf.tensor, leaf.dtype)
+            flat[i] = _unwire(leaf.tensor, leaf.dtype)
         elif isinstance(leaf, _GradLeaf):
             t = leaf.tensor
             if isinstance(t, _Compressed):
                 t = _unwire(t.tensor, t.dtype)
-            leaves[i] = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
-    new_args, new_kwargs = tree_unflatten(leaves, spec)
-    return new_args, new_kwargs
+            flat[i] = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
+            if made is not None:
+                made.append(flat[i])
+    new_args, new_kwargs = tree_unflatten(flat, spec)
+    return new_args, new_kwargs, made or []
 
 
 def compress_tree(tree: Any, dtype: torch.dtype) -> Any:

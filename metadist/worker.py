@@ -1,0 +1,329 @@
+"""The worker's side of a remote call: run one partition, keep its graph, answer its backward.
+
+A partition runs as a local function call would: module parameters arrive as ``nn.Parameter``
+leaves and tensors that require grad as leaf tensors (see :mod:`metadist.transport`), so code
+that builds a ``torch.optim`` optimizer, checks ``p.is_leaf`` or calls ``loss.backward()``
+inside the function behaves as in one process. When the result depends on those leaves, the
+worker keeps the graph under a number and answers a later *gradient request* for it with
+``torch.autograd.grad``: the vector-Jacobian product of the partition, in the sense of
+``torch.func.vjp``. With ``create_graph`` the answer is itself differentiable and kept the same
+way, which is how a gradient of a gradient crosses a call. The caller's half is in
+:mod:`metadist.autograd`; graphs are dropped when the caller's graph is (:func:`release`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from metadist import timeline, transport, world
+from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from metadist.errors import RemoteFailure
+
+__all__ = ["Graph", "kept_graphs", "run_partition", "vjp"]
+
+#: Where a ``parallelize`` wrapper keeps the function it wraps (workers run that one).
+ORIGINAL = "__metadist_original__"
+
+NO_GRAD, GRAD, INFERENCE = 0, 1, 2
+
+
+def grad_mode() -> int:
+    """The caller's autograd mode, re-created around the partition wherever it runs."""
+    if torch.is_inference_mode_enabled():
+        return INFERENCE
+    return GRAD if torch.is_grad_enabled() else NO_GRAD
+
+
+def in_grad_mode(mode: int) -> contextlib.AbstractContextManager[Any]:
+    """A context manager that puts this thread in ``mode`` (a :func:`grad_mode` value)."""
+    if mode == INFERENCE:
+        return torch.inference_mode()
+    if torch.is_grad_enabled() == (mode == GRAD) and not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()  # already so (RPC threads run with grad enabled)
+    return torch.set_grad_enabled(mode == GRAD)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kept graphs: {number: (leaves, differentiable outputs)}, dropped when the caller says so
+
+_GRAPHS: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+_GRAPHS_LOCK = threading.Lock()
+_NUMBERS = itertools.count()
+_SERVING = threading.local()
+
+
+def kept_graphs() -> int:
+    """How many partition graphs this worker keeps for a later gradient request."""
+    with _GRAPHS_LOCK:
+        return len(_GRAPHS)
+
+
+def serving() -> bool:
+    """Whether this thread is running a partition (a nested call starts from a worker)."""
+    return getattr(_SERVING, "depth", 0) > 0
+
+
+def _keep(leaves: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    number = next(_NUMBERS)
+    with _GRAPHS_LOCK:
+        _GRAPHS[number] = (leaves, outputs)
+    return number
+
+
+def _drop(numbers: tuple[int, ...]) -> None:
+    if numbers:
+        with _GRAPHS_LOCK:
+            for number in numbers:
+                _GRAPHS.pop(number, None)
+
+
+class Graph:
+    """A partition's result whose graph the worker kept: the result detached, and its number.
+
+    ``outputs`` are the flat indices (in the result's pytree) of the tensors that require grad;
+    the caller makes them the outputs of its node for this call (see :mod:`metadist.autograd`).
+    ``number`` is -1 when no leaf of the caller's is under them. ``written`` holds the ``.grad``
+    that the function itself left on leaves (by index into the leaves), which the caller adds
+    to its own tensors' ``.grad``, as the same code run in its process would have.
+    """
+
+    __slots__ = ("number", "outputs", "value", "written")
+
+    def __init__(
+        self,
+        value: Any,
+        number: int,
+        outputs: tuple[int, ...],
+        written: tuple[tuple[int, torch.Tensor], ...] = (),
+    ) -> None:
+        self.value = value
+        self.number = number
+        self.outputs = outputs
+        self.written = written
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Graph, (self.value, self.number, self.outputs, self.written))
+
+
+class Timed:
+    """A partition's result with the worker's clock at the start and the end of the function."""
+
+    __slots__ = ("end", "start", "value")
+
+    def __init__(self, value: Any, start: float, end: float) -> None:
+        self.value = value
+        self.start = start
+        self.end = end
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Timed, (self.value, self.start, self.end))
+
+
+def check_result(result: Any) -> None:
+    """Refuse results that would reach the caller as detached copies of user state."""
+    if type(result) is torch.Tensor:
+        return
+    pairs, _ = tree_flatten_with_path(result)
+    for path, leaf in pairs:
+        if isinstance(leaf, (torch.nn.Module, torch.nn.Parameter)):
+            kind = "a module" if isinstance(leaf, torch.nn.Module) else "an nn.Parameter"
+            raise TypeError(
+                f"the result holds {kind} ({type(leaf).__name__}) at result{keystr(path)}: it "
+                f"would reach the caller as a detached copy, linked to no gradient. Return "
+                f"tensors computed from it instead (for a module, e.g. "
+                f"{{name: p * 1 for name, p in module.named_parameters()}})"
+            )
+
+
+def _kept(result: Any, leaves: list[torch.Tensor]) -> Any:
+    """``result`` as a :class:`Graph` when it depends on ``leaves``, else as it is."""
+    written = tuple((k, t.grad) for k, t in enumerate(leaves) if t.grad is not None)
+    flat, spec = tree_flatten(result)
+    outputs = tuple(
+        i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+    )
+    if not outputs and not written:
+        return result
+    # Without leaves of the caller's under them, the tensors travel as leaves that require
+    # grad, as a fresh leaf made inside a local call would be.
+    number = _keep(leaves, [flat[i] for i in outputs]) if outputs and leaves else -1
+    value = tree_unflatten([_detach(t) for t in flat], spec) if outputs else result
+    return Graph(value, number, outputs, written)
+
+
+def _detach(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+
+
+class _TieToInput(torch.autograd.Function):
+    """Pass ``output`` through, and give ``received`` a (zero) gradient in the backward pass.
+
+    Inside a distributed autograd context only: torch's distributed autograd waits, in every
+    backward pass of a context, until the node that received a message's tensors on a worker
+    has sent their gradients back. A result that depends on none of them (a fresh leaf made on
+    the worker, arguments it ignores) would leave that wait unfinished forever. All tensors of
+    one message share that node, so tying the result to one of them is enough.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype = received.shape, received.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_zeros(()).to(ctx.dtype).expand(ctx.shape)
+
+
+def _tied(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Tie the result to a tensor that arrived through distributed autograd, if any."""
+    received = None
+    for leaf in tree_flatten((args, kwargs))[0]:
+        tensors = leaf.parameters() if isinstance(leaf, torch.nn.Module) else (leaf,)
+        received = next(
+            (t for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None), None
+        )
+        if received is not None:
+            break
+    if received is None:
+        return result
+    flat, spec = tree_flatten(result)
+    for i, leaf in enumerate(flat):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            flat[i] = _TieToInput.apply(leaf, received)
+            return tree_unflatten(flat, spec)
+    return result
+
+
+def run_partition(  # noqa: PLR0917 - the RPC target; positional on the wire
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    needs_decode: bool,
+    compression: torch.dtype | None,
+    mode: int = GRAD,
+    timed: bool = False,
+    attached: bool = False,
+    release: tuple[int, ...] = (),
+) -> Any:
+    """Run one partition on this worker (the RPC target of every remote call).
+
+    ``attached``: the call travels inside the caller's distributed autograd context, whose
+    engine differentiates it; otherwise the worker keeps the graph itself. ``release``: graphs
+    the caller no longer needs.
+    """
+    _drop(release)
+    start = timeline.now() if timed else 0.0
+    world.use_process_threads()  # an RPC handler thread: see world.use_process_threads
+    me = rpc.get_worker_info().name
+    try:
+        leaves: list[torch.Tensor] = []
+        if needs_decode:
+            args, kwargs, leaves = transport.decode(args, kwargs, leaves=not attached)
+    except Exception as error:
+        return RemoteFailure.capture(error, me, "decode")
+    _SERVING.depth = getattr(_SERVING, "depth", 0) + 1
+    try:
+        with in_grad_mode(mode):
+            result = getattr(func, ORIGINAL, func)(*args, **kwargs)
+            check_result(result)
+            if attached:
+                result = _tied(result, args, kwargs)
+            elif mode == GRAD:
+                result = _kept(result, leaves)
+        if compression is not None:
+            if isinstance(result, Graph):
+                result.value = transport.compress_tree(result.value, compression)
+            else:
+                result = transport.compress_tree(result, compression)
+    except Exception as error:
+        return RemoteFailure.capture(error, me, "call")
+    finally:
+        _SERVING.depth -= 1
+    return Timed(result, start, timeline.now()) if timed else result
+
+
+def vjp(
+    requests: list[tuple[int, list[torch.Tensor | None]]],
+    create_graph: bool,
+    compression: torch.dtype | None,
+    release: tuple[int, ...] = (),
+) -> Any:
+    """Answer one gradient request: the gradients of the kept graphs' leaves (RPC target).
+
+    ``requests`` holds, per graph, its number and the gradient of each output (``None`` where
+    the caller's backward pass did not reach it). The graphs stay for another pass until the
+    caller releases them; with ``create_graph``, each answer is kept as a graph of its own
+    whose leaves are the graph's leaves followed by the received gradients.
+
+    Returns:
+        Per graph, ``(gradients, number, outputs)``: the gradient of each leaf (``None`` where
+        the outputs do not depend on it); with ``create_graph``, the number and output indices
+        of the answer's own graph (else ``-1`` and ``()``); or a ``RemoteFailure``.
+    """
+    _drop(release)
+    world.use_process_threads()
+    try:
+        with _GRAPHS_LOCK:
+            graphs = [_GRAPHS[number] for number, _ in requests]
+    except KeyError as error:
+        return RemoteFailure.capture(
+            RuntimeError(
+                f"graph {error} is gone from this worker: it was released after the caller's "
+                f"graph was freed. Pass retain_graph=True to the earlier backward pass to "
+                f"differentiate a remote call twice"
+            ),
+            rpc.get_worker_info().name,
+            "call",
+        )
+    try:
+        with torch.enable_grad():
+            answers = [
+                _vjp_one(graph, grads, create_graph, compression)
+                for graph, (_, grads) in zip(graphs, requests, strict=True)
+            ]
+    except Exception as error:
+        return RemoteFailure.capture(error, rpc.get_worker_info().name, "backward")
+    return answers
+
+
+def _vjp_one(
+    graph: tuple[list[torch.Tensor], list[torch.Tensor]],
+    grads: list[torch.Tensor | None],
+    create_graph: bool,
+    compression: torch.dtype | None,
+) -> tuple[list[torch.Tensor | None], int, tuple[int, ...]]:
+    leaves, outputs = graph
+    if compression is not None:
+        grads = transport.decompress_tree(grads)
+    reached = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+    grad_leaves: list[torch.Tensor] = []
+    if create_graph:
+        # The received gradients become leaves of the answer's graph, so that the caller can
+        # differentiate the answer with respect to them too.
+        grad_leaves = [g.detach().requires_grad_(True) for _, g in reached]
+    found = torch.autograd.grad(
+        [o for o, _ in reached],
+        leaves,
+        grad_leaves if create_graph else [g for _, g in reached],
+        retain_graph=True,
+        create_graph=create_graph,
+        allow_unused=True,
+    )
+    answer: list[torch.Tensor | None] = list(found)
+    number, diff = -1, tuple[int, ...]()
+    if create_graph:
+        diff = tuple(i for i, g in enumerate(answer) if g is not None and g.requires_grad)
+        if diff:
+            kept = [g for i, g in enumerate(answer) if i in diff and g is not None]
+            number = _keep([*leaves, *grad_leaves], kept)
+        answer = [None if g is None else g.detach() for g in answer]
+    if compression is not None:
+        answer = transport.compress_tree(answer, compression)
+    return answer, number, diff

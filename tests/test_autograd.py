@@ -1,0 +1,653 @@
+"""A remote call is a differentiable function: values and gradients equal one process.
+
+Without any metadist context: plain ``loss.backward()``, ``torch.autograd.grad`` and
+``torch.optim`` on the caller, for every partitioner and the in-process share; leaves on the
+worker (``higher``, learn2learn-style ``clone()/adapt()``, torch.func, ``torch.optim`` and
+``p.grad`` inside a partition); nested calls of every pattern; partial, repeated and retained
+backward passes; worker memory over many calls; gradients of gradients through a call. Then the
+same nested patterns inside ``metadist.autograd.context()``. One spawned world of 3 runs every
+scenario (rank 0 drives); each reports under its own test id.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import resource
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from _dist import Scenarios, run_scenarios
+from torch import nn
+
+import metadist as md
+from metadist import autograd as mag
+from metadist import worker as remote_worker
+
+# ------------------------------------------------------------------------------------------
+# Remote functions (module level: workers import them by name)
+
+
+def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+def square_mean(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x).pow(2).mean()
+
+
+def scaled(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (w * x).sin().sum(-1)
+
+
+def two_results(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (w * x).sum(), (w**2 * x).sum()
+
+
+def higher_tasks(  # the canonical `higher` MAML recipe, unchanged
+    model: nn.Module,
+    xs: torch.Tensor,
+    ys: torch.Tensor,
+    xq: torch.Tensor,
+    yq: torch.Tensor,
+    stateful: bool = False,
+) -> torch.Tensor:
+    import higher
+
+    if stateful:
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for i in range(xs.shape[0]):
+        with higher.innerloop_ctx(model, opt, copy_initial_weights=False) as (fmodel, diffopt):
+            for _ in range(2):
+                diffopt.step(F.mse_loss(fmodel(xs[i]), ys[i]))
+            losses.append(F.mse_loss(fmodel(xq[i]), yq[i]))
+    return torch.stack(losses).mean()
+
+
+def _clone_module(module: nn.Module) -> nn.Module:
+    """learn2learn's ``clone_module``: a copy whose parameters are differentiable clones."""
+    clone = copy.copy(module)
+    clone._parameters = {k: None if p is None else p.clone() for k, p in module._parameters.items()}
+    clone._buffers = dict(module._buffers)
+    clone._modules = {k: _clone_module(m) for k, m in module._modules.items()}  # type: ignore[misc]
+    return clone
+
+
+def _update_module(module: nn.Module, grads: dict[str, torch.Tensor], lr: float) -> None:
+    for name, p in list(module.named_parameters()):
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        owner._parameters[name.rpartition(".")[2]] = p - lr * grads[name]
+
+
+def l2l_tasks(
+    model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, xq: torch.Tensor, yq: torch.Tensor
+) -> torch.Tensor:
+    """learn2learn's ``MAML.clone()`` / ``adapt()`` pattern (second order)."""
+    losses = []
+    for i in range(xs.shape[0]):
+        learner = _clone_module(model)
+        for _ in range(2):
+            names, params = zip(*learner.named_parameters(), strict=True)
+            loss = F.mse_loss(learner(xs[i]), ys[i])
+            grads = torch.autograd.grad(loss, params, create_graph=True)
+            _update_module(learner, dict(zip(names, grads, strict=True)), 0.01)
+        losses.append(F.mse_loss(learner(xq[i]), yq[i]))
+    return torch.stack(losses).mean()
+
+
+def func_tasks(
+    model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, xq: torch.Tensor, yq: torch.Tensor
+) -> torch.Tensor:
+    """torch.func's MAML recipe: functional_call with adapted parameter dicts."""
+    params = dict(model.named_parameters())
+
+    def inner(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+
+    losses = []
+    for i in range(xs.shape[0]):
+        fast = params
+        for _ in range(2):
+            grads = torch.func.grad(inner)(fast, xs[i], ys[i])
+            fast = {k: fast[k] - 0.01 * grads[k] for k in fast}
+        losses.append(inner(fast, xq[i], yq[i]))
+    return torch.stack(losses).mean()
+
+
+def optim_tasks(
+    model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, xq: torch.Tensor, yq: torch.Tensor
+) -> torch.Tensor:
+    """A first-order recipe on plain torch.optim: deep copy, step with p.grad, keep the loss."""
+    assert all(isinstance(p, nn.Parameter) and p.is_leaf for p in model.parameters())
+    losses = []
+    for i in range(xs.shape[0]):
+        fast = copy.deepcopy(model)  # only leaves can be deep-copied
+        opt = torch.optim.SGD(fast.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(fast(xs[i]), ys[i]).backward()
+            assert all(p.grad is not None for p in fast.parameters())
+            opt.step()
+        # First-order MAML: the adapted weights stand in, through a straight-through link.
+        shift = {
+            n: (f.detach() - p.detach())
+            for (n, p), f in zip(model.named_parameters(), fast.parameters(), strict=True)
+        }
+        adapted = {n: p + shift[n] for n, p in model.named_parameters()}
+        losses.append(F.mse_loss(torch.func.functional_call(model, adapted, (xq[i],)), yq[i]))
+    return torch.stack(losses).mean()
+
+
+def grad_inside(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``loss.backward()`` on the module's own parameters inside the partition."""
+    inner = model(x).pow(2).mean()
+    inner.backward(retain_graph=True)
+    return inner * 2
+
+
+RECIPES: dict[str, Callable[..., torch.Tensor]] = {
+    "higher_sgd": higher_tasks,
+    "l2l_clone_adapt": l2l_tasks,
+    "torch_func": func_tasks,
+    "torch_optim_first_order": optim_tasks,
+}
+
+
+# Nested patterns: a partition that calls out again.
+
+
+def leaf_loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (w * x).tanh().sum(-1)
+
+
+def back_to_caller(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return md.remote_sync_call(leaf_loss, args=(w, x), partitioner=0, reducer=md.cat_reducer) * 2
+
+
+def to_itself(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    me = md.get_rank()
+    return md.remote_sync_call(leaf_loss, args=(w, x), partitioner=me, reducer=md.cat_reducer) * 2
+
+
+def to_third(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return md.remote_sync_call(leaf_loss, args=(w, x), partitioner=2, reducer=md.cat_reducer) * 2
+
+
+def fan_out(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    split = md.dim_partitioner(0, exclusive=False, workers=[2, 0])
+    return md.remote_sync_call(
+        leaf_loss, args=(w, x), partitioner=_ByX(split), reducer=md.cat_reducer
+    )
+
+
+class _ByX:
+    """Split ``x`` only (``w`` goes to every partition whole)."""
+
+    def __init__(self, split: Any) -> None:
+        self.split = split
+
+    def __call__(self, w: torch.Tensor, x: torch.Tensor) -> list[tuple[Any, Any, Any]]:
+        return [(worker, (w, *a), k) for worker, a, k in self.split(x)]
+
+
+def deep(w: torch.Tensor, x: torch.Tensor, depth: int) -> torch.Tensor:
+    """0 → 1 → 2 → 0 → ... for ``depth`` hops."""
+    if depth == 0:
+        return leaf_loss(w, x)
+    nxt = (md.get_rank() + 1) % md.get_world_size()
+    out = md.remote_sync_call(deep, args=(w * 1.5, x, depth - 1), partitioner=nxt)
+    return out[0] + w.sum()
+
+
+@md.parallelize(reducer=md.cat_reducer)
+def inner_parallel(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return leaf_loss(w, x)
+
+
+def resplit(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each chunk is split again between this worker and the other of workers 1 and 2."""
+    other = 2 if md.get_rank() == 1 else 1
+    split = md.dim_partitioner(0, exclusive=False, workers=[md.get_rank(), other])
+    return md.remote_sync_call(
+        leaf_loss, args=(w, x), partitioner=_ByX(split), reducer=md.cat_reducer
+    )
+
+
+@md.parallelize(
+    partitioner=_ByX(md.dim_partitioner(0, exclusive=False, workers=[1, 2])), reducer=md.cat_reducer
+)
+def outer_parallel(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return resplit(w, x)
+
+
+def local_nested(name: str, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What each nested pattern computes, in one process."""
+    if name == "deep_three_hops":
+        return _local_deep(w, x, 3)
+    return leaf_loss(w, x) * (2 if name in {"back_to_caller", "to_itself", "to_third"} else 1)
+
+
+def _local_deep(w: torch.Tensor, x: torch.Tensor, depth: int) -> torch.Tensor:
+    if depth == 0:
+        return leaf_loss(w, x)
+    return _local_deep(w * 1.5, x, depth - 1) + w.sum()
+
+
+def _deep3(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return deep(w, x, 3)
+
+
+NESTED: dict[str, Callable[..., Any]] = {
+    "back_to_caller": back_to_caller,
+    "to_itself": to_itself,
+    "to_third": to_third,
+    "fan_out": fan_out,
+    "deep_three_hops": _deep3,
+}
+
+
+def kept_graphs() -> int:
+    return remote_worker.kept_graphs()
+
+
+def max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ------------------------------------------------------------------------------------------
+# Checks
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    err = float((a - b).norm() / b.norm().clamp_min(1e-12))
+    assert err <= 1e-5, f"{what}: relative error {err:.2e}\nremote {a}\nlocal  {b}"
+
+
+def pair(seed: int = 0, make: Callable[[], nn.Module] | None = None) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    build = make or (lambda: nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1)))
+    remote, local = build(), build()
+    local.load_state_dict(remote.state_dict())
+    return remote, local
+
+
+def same_grads(remote: nn.Module, local: nn.Module, what: str) -> None:
+    for (name, a), b in zip(remote.named_parameters(), local.parameters(), strict=True):
+        assert a.grad is not None, f"{what}: {name} got no gradient"
+        assert b.grad is not None
+        assert_close(a.grad, b.grad, f"{what}: gradient of {name}")
+
+
+def tasks(n: int = 6, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    xs, xq = torch.randn(n, 5, 1, generator=g), torch.randn(n, 5, 1, generator=g)
+    return xs, xs.sin(), xq, xq.sin()
+
+
+PARTITIONERS: dict[str, Any] = {
+    "own_rank": 0,
+    "worker_1": 1,
+    "worker_name": "worker2",
+    "default_batch": None,
+    "dim_shared": md.dim_partitioner(0, exclusive=False),
+    "dim_exclusive": md.dim_partitioner(0, exclusive=True),
+    "dim_dynamic": md.dim_partitioner(0, exclusive=True, schedule="dynamic"),
+    "remote_only": md.dim_partitioner(0, workers=[1, 2]),
+}
+
+# ------------------------------------------------------------------------------------------
+# Scenarios (run on rank 0 of a world of 3)
+
+
+def backward_without_context_every_partitioner(world_size: int) -> None:
+    x = torch.randn(12, 1)
+    y = x.cos()
+    for name, partitioner in PARTITIONERS.items():
+        remote, local = pair()
+        out = md.remote_sync_call(
+            mse, args=(remote, x, y), partitioner=partitioner, reducer=md.mean_reducer
+        )
+        out.backward()
+        expected = mse(local, x, y)
+        expected.backward()
+        assert_close(out.detach(), expected.detach(), f"{name}: value")
+        same_grads(remote, local, name)
+
+
+def issue_examples_are_exact(world_size: int) -> None:
+    torch.manual_seed(0)
+    m, x = nn.Linear(3, 1), torch.randn(8, 3)
+    ref = copy.deepcopy(m)
+    square_mean(ref, x).backward()
+    for partitioner in (1, md.dim_partitioner(0, exclusive=False)):
+        m.zero_grad()
+        out = md.remote_sync_call(
+            square_mean, args=(m, x), partitioner=partitioner, reducer=md.mean_reducer
+        )
+        out.backward()
+        assert m.weight.grad is not None
+        assert_close(m.weight.grad, ref.weight.grad, f"{partitioner}")  # type: ignore[arg-type]
+
+
+def autograd_grad_and_async_calls(world_size: int) -> None:
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(9, 4)
+    split = _Whole(md.dim_partitioner(0, exclusive=False))
+    fut = md.remote_async_call(scaled, args=(w, x), partitioner=split, reducer=md.cat_reducer)
+    out = fut.wait().pow(2).sum()
+    (g,) = torch.autograd.grad(out, w)
+    (expected,) = torch.autograd.grad(scaled(w, x).pow(2).sum(), w)
+    assert_close(g, expected, "autograd.grad through an async call")
+    assert w.grad is None  # autograd.grad does not touch .grad, remotely either
+
+
+@md.parallelize(reducer=md.mean_reducer)
+def meta_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return mse(model, x, y)
+
+
+def training_loop_is_the_local_loop_plus_the_decorator(world_size: int) -> None:
+    remote, local = pair(3)
+    opt_r = torch.optim.Adam(remote.parameters(), lr=0.01)
+    opt_l = torch.optim.Adam(local.parameters(), lr=0.01)
+    x = torch.randn(30, 1)
+    for step in range(5):
+        for opt, loss_fn, model in ((opt_r, meta_loss, remote), (opt_l, mse, local)):
+            opt.zero_grad()
+            loss = loss_fn(model, x * (step + 1), (x * (step + 1)).sin())
+            loss.backward()
+            opt.step()
+    for a, b in zip(remote.parameters(), local.parameters(), strict=True):
+        assert_close(a.detach(), b.detach(), "parameters after 5 Adam steps")
+
+
+def libraries_inner_loops_equal_local(world_size: int) -> None:
+    data = tasks()
+    split = md.dim_partitioner(0, exclusive=True)
+    for name, recipe in RECIPES.items():
+        remote, local = pair(5)
+        out = md.remote_sync_call(
+            recipe, args=(remote, *data), partitioner=_ModelFirst(split), reducer=md.mean_reducer
+        )
+        out.backward()
+        expected = recipe(local, *data)
+        expected.backward()
+        assert_close(out.detach(), expected.detach(), f"{name}: value")
+        same_grads(remote, local, name)
+    remote, local = pair(6)
+    out = md.remote_sync_call(
+        higher_tasks, args=(remote, *data), kwargs={"stateful": True}, partitioner=1
+    )[0]
+    out.backward()
+    expected = higher_tasks(local, *data, stateful=True)
+    expected.backward()
+    assert_close(out.detach(), expected.detach(), "higher with Adam: value")
+    same_grads(remote, local, "higher with Adam")
+
+
+class _ModelFirst:
+    """Split the task tensors; the model (first argument) goes whole to every partition."""
+
+    def __init__(self, split: Any) -> None:
+        self.split = split
+
+    def __call__(self, model: nn.Module, *data: torch.Tensor) -> list[tuple[Any, Any, Any]]:
+        return [(w, (model, *a), k) for w, a, k in self.split(*data)]
+
+
+def backward_inside_a_partition_writes_grad_as_locally(world_size: int) -> None:
+    x = torch.randn(6, 1)
+    for partitioner in (0, 1):
+        remote, local = pair(7)
+        (out,) = md.remote_sync_call(grad_inside, args=(remote, x), partitioner=partitioner)
+        # The partition's own backward wrote .grad, on the caller's parameters as locally.
+        mid = [p.grad.clone() for p in remote.parameters()]  # type: ignore[union-attr]
+        expected = grad_inside(local, x)
+        for a, b in zip(mid, local.parameters(), strict=True):
+            assert_close(a, b.grad, f"partition {partitioner}: .grad written inside")  # type: ignore[arg-type]
+        out.backward()
+        expected.backward()
+        same_grads(remote, local, f"partition {partitioner}: after the caller's backward")
+
+
+def nested_patterns_equal_local(world_size: int) -> None:
+    x = torch.randn(8, 3)
+    for name, func in NESTED.items():
+        w = torch.randn(3, requires_grad=True)
+        out = md.remote_sync_call(func, args=(w, x), partitioner=1)[0]
+        out.pow(2).sum().backward()
+        w_local = w.detach().clone().requires_grad_(True)
+        expected = local_nested(name, w_local, x)
+        expected.pow(2).sum().backward()
+        assert_close(out.detach(), expected.detach(), f"{name}: value")
+        assert_close(w.grad, w_local.grad, f"{name}: gradient")  # type: ignore[arg-type]
+
+
+def parallelize_inside_parallelize_equals_local(world_size: int) -> None:
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(10, 3)
+    out = outer_parallel(w, x)
+    assert out.shape == (10,)
+    out.pow(2).sum().backward()
+    w_local = w.detach().clone().requires_grad_(True)
+    leaf_loss(w_local, x).pow(2).sum().backward()
+    assert_close(w.grad, w_local.grad, "parallelize in parallelize: gradient")  # type: ignore[arg-type]
+
+
+def nested_patterns_equal_local_inside_a_context(world_size: int) -> None:
+    x = torch.randn(8, 3)
+    for name, func in [*NESTED.items(), ("parallel_in_parallel", None)]:
+        w = torch.randn(3, requires_grad=True)
+        with mag.context() as ctx:
+            if func is None:
+                out = outer_parallel(w, x)
+            else:
+                out = md.remote_sync_call(func, args=(w, x), partitioner=1)[0]
+            mag.backward(ctx, [out.pow(2).sum()])
+        w_local = w.detach().clone().requires_grad_(True)
+        expected = local_nested(name, w_local, x) if func else leaf_loss(w_local, x)
+        expected.pow(2).sum().backward()
+        assert_close(w.grad, w_local.grad, f"{name} in a context: gradient")  # type: ignore[arg-type]
+
+
+def partial_repeated_and_retained_passes(world_size: int) -> None:
+    w = torch.randn(5, requires_grad=True)
+    x = torch.randn(5)
+    wl = w.detach().clone().requires_grad_(True)
+    # A pass that reaches only one of two results, then one that reaches the other.
+    ((a, b),) = md.remote_sync_call(two_results, args=(w, x), partitioner=1)
+    la, lb = two_results(wl, x)
+    a.backward()
+    la.backward()
+    assert_close(w.grad, wl.grad, "first result only")  # type: ignore[arg-type]
+    b.backward()
+    lb.backward()
+    assert_close(w.grad, wl.grad, "then the second")  # type: ignore[arg-type]
+    # retain_graph: the same result differentiated twice, then a third time fails as locally.
+    w.grad = wl.grad = None
+    whole = _Whole(md.dim_partitioner(0, exclusive=False))
+    out = md.remote_sync_call(
+        scaled, args=(w, x.expand(4, 5)), partitioner=whole, reducer=md.cat_reducer
+    ).sum()
+    ref = scaled(wl, x.expand(4, 5)).sum()
+    for retain in (True, False):
+        out.backward(retain_graph=retain)
+        ref.backward(retain_graph=retain)
+    assert_close(w.grad, wl.grad, "two passes, the first retained")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"second time|retain_graph=True"):
+        out.backward()
+    # Several losses of one step, each its own pass.
+    w.grad = wl.grad = None
+    first = md.remote_sync_call(
+        scaled, args=(w, x.expand(3, 5)), partitioner=whole, reducer=md.cat_reducer
+    )
+    second = md.remote_sync_call(
+        scaled, args=(w * 2, x.expand(3, 5)), partitioner=whole, reducer=md.cat_reducer
+    )
+    first.sum().backward()
+    second.sum().backward()
+    scaled(wl, x.expand(3, 5)).sum().backward()
+    scaled(wl * 2, x.expand(3, 5)).sum().backward()
+    assert_close(w.grad, wl.grad, "two losses, two passes")  # type: ignore[arg-type]
+    # A result never used does not hold anything up.
+    md.remote_sync_call(scaled, args=(w, x.expand(2, 5)), partitioner=2)
+    (g,) = torch.autograd.grad(md.remote_sync_call(scaled, args=(w, x), partitioner=2)[0], w)
+    (gl,) = torch.autograd.grad(scaled(wl, x), wl)
+    assert_close(g, gl, "after an unused result")
+
+
+def one_gradient_request_per_worker_per_backward(world_size: int) -> None:
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(24, 3)
+    with md.timeline.record() as log:
+        out = md.remote_sync_call(
+            leaf_loss, args=(w, x), partitioner=_Chunks([1, 1, 1, 2, 2, 2]), reducer=md.cat_reducer
+        )
+        out.sum().backward()
+    assert len(log.partitions) == 6
+    assert sorted(worker for worker, _ in log.gradient_requests) == ["worker1", "worker2"]
+
+
+class _Chunks:
+    """One chunk of ``x`` per entry of ``workers`` (``w`` whole to each)."""
+
+    def __init__(self, workers: list[int]) -> None:
+        self.workers = workers
+
+    def __call__(self, w: torch.Tensor, x: torch.Tensor) -> list[tuple[Any, Any, Any]]:
+        chunks = x.chunk(len(self.workers))
+        return [(k, (w, c), {}) for k, c in zip(self.workers, chunks, strict=True)]
+
+
+def worker_memory_is_flat_over_many_calls(world_size: int) -> None:
+    model = nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    gc.collect()
+    md.remote_sync_call(kept_graphs, partitioner=1)  # carries what earlier scenarios released
+    before = md.remote_sync_call(kept_graphs, partitioner=1)[0]
+    for backward in (True, False):
+        rss = []
+        for i in range(1000):
+            out = md.remote_sync_call(square_mean, args=(model, x), partitioner=1)[0]
+            if backward:
+                out.backward()
+            if i in (100, 999):
+                rss.append(md.remote_sync_call(max_rss_mb, partitioner=1)[0])
+        del out
+        md.remote_sync_call(kept_graphs, partitioner=1)  # carries the last release
+        kept = md.remote_sync_call(kept_graphs, partitioner=1)[0]
+        assert kept == before, f"backward={backward}: worker 1 keeps {kept} graphs, not {before}"
+        assert rss[1] - rss[0] < 20, f"backward={backward}: worker 1 grew {rss} MB"
+
+
+def gradient_of_a_gradient_through_a_call(world_size: int) -> None:
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(6, 4)
+    wl = w.detach().clone().requires_grad_(True)
+    for where in (1, md.dim_partitioner(0, exclusive=True)):
+        w.grad = wl.grad = None
+        out = md.remote_sync_call(
+            scaled, args=(w, x), partitioner=_Whole(where), reducer=md.cat_reducer
+        )
+        (g,) = torch.autograd.grad(out.pow(2).sum(), w, create_graph=True)
+        g.pow(2).sum().backward()
+        (gl,) = torch.autograd.grad(scaled(wl, x).pow(2).sum(), wl, create_graph=True)
+        gl.pow(2).sum().backward()
+        assert_close(g.detach(), gl.detach(), f"{where}: first order")
+        assert_close(w.grad, wl.grad, f"{where}: second order")  # type: ignore[arg-type]
+
+
+class _Whole:
+    """Send ``w`` whole and split ``x``, or everything to one worker."""
+
+    def __init__(self, where: Any) -> None:
+        self.where = where
+
+    def __call__(self, w: torch.Tensor, x: torch.Tensor) -> list[tuple[Any, Any, Any]]:
+        if isinstance(self.where, int):
+            return [(self.where, (w, x), {})]
+        return [(k, (w, *a), kw) for k, a, kw in self.where(x)]
+
+
+class _TasksSplit:
+    """Split the task tensors; the model and its parameters go whole to every partition."""
+
+    def __call__(
+        self, model: nn.Module, params: dict[str, torch.Tensor], *data: torch.Tensor
+    ) -> list[tuple[Any, Any, Any]]:
+        split = md.dim_partitioner(0, exclusive=True)
+        return [(w, (model, params, *a), k) for w, a, k in split(*data)]
+
+
+@md.parallelize(partitioner=_TasksSplit(), reducer=md.mean_reducer)
+def support_loss(
+    model: nn.Module, params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor
+) -> torch.Tensor:
+    return F.mse_loss(torch.func.functional_call(model, params, (xs,)), ys)
+
+
+def maml_with_a_distributed_inner_loop(world_size: int) -> None:
+    """The inner loop's loss is itself a remote call: the meta-gradient is second order."""
+    remote, local = pair(9)
+    xs, ys, xq, yq = tasks(6, seed=2)
+    for model, inner in ((remote, support_loss), (local, support_loss.__wrapped__)):
+        fast = dict(model.named_parameters())
+        for _ in range(2):
+            loss = inner(model, fast, xs, ys)
+            grads = torch.autograd.grad(loss, list(fast.values()), create_graph=True)
+            fast = {k: v - 0.1 * g for (k, v), g in zip(fast.items(), grads, strict=True)}
+        F.mse_loss(torch.func.functional_call(model, fast, (xq,)), yq).backward()
+    same_grads(remote, local, "second-order MAML, remote inner loss")
+
+
+def parallelize_draws_progress(world_size: int) -> None:
+    bar = io.StringIO()
+    stdout, stderr = sys.stdout, sys.stderr
+    tty = type("Tty", (io.StringIO,), {"isatty": lambda self: True})()
+    sys.stdout, sys.stderr = tty, bar
+    try:
+        split = _ByX(md.dim_partitioner(0, exclusive=True))
+        md.parallelize(split, reducer=md.cat_reducer, progress=True)(leaf_loss)(
+            torch.ones(3), torch.ones(6, 3)
+        )
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
+    assert "6/6" in bar.getvalue(), bar.getvalue()
+
+
+SCENARIOS: list[Callable[[int], Any]] = [
+    backward_without_context_every_partitioner,
+    issue_examples_are_exact,
+    autograd_grad_and_async_calls,
+    training_loop_is_the_local_loop_plus_the_decorator,
+    libraries_inner_loops_equal_local,
+    backward_inside_a_partition_writes_grad_as_locally,
+    nested_patterns_equal_local,
+    parallelize_inside_parallelize_equals_local,
+    nested_patterns_equal_local_inside_a_context,
+    partial_repeated_and_retained_passes,
+    one_gradient_request_per_worker_per_backward,
+    worker_memory_is_flat_over_many_calls,
+    gradient_of_a_gradient_through_a_call,
+    maml_with_a_distributed_inner_loop,
+    parallelize_draws_progress,
+]
+
+
+@pytest.fixture(scope="module")
+def world() -> Scenarios:
+    return run_scenarios(SCENARIOS, 3, timeout=400)
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("name", [s.__name__ for s in SCENARIOS])
+def test_remote_is_a_differentiable_function(world: Scenarios, name: str) -> None:
+    world.check(name)
