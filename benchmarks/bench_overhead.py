@@ -8,7 +8,7 @@ meta-step):
 
 * ``plain``: one process, no RPC, ``loss.backward()``.
 * ``md W=1``: metadist in a world of 1 (``python script.py``): ``remote_sync_call`` with the
-  default partitioner, ``metadist.autograd.backward``.
+  default partitioner, plain ``loss.backward()``.
 * ``md W=2``: the same call in a world of 2; rank 0 drives and computes its own half in-process.
 * ``raw W=2``: hand-written ``torch.distributed.rpc``: the tasks split in two, one ``rpc_async``
   per worker (rank 0's own half included, as a plain fan-out does), parameters sent as
@@ -121,11 +121,10 @@ def step_plain(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor
 
 def step_metadist(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
     opt.zero_grad()
-    with metadist.autograd.context() as ctx:
-        loss = metadist.remote_sync_call(
-            module_meta_loss, args=(model, *batch), reducer=metadist.mean_reducer
-        )
-        metadist.autograd.backward(ctx, [loss])
+    loss = metadist.remote_sync_call(
+        module_meta_loss, args=(model, *batch), reducer=metadist.mean_reducer
+    )
+    loss.backward()
     opt.step()
 
 

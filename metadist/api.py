@@ -302,6 +302,7 @@ class _Call:
         "gradients",
         "in_flight",
         "input_nodes",
+        "lock",
         "local",
         "new_structures",
         "own",
@@ -356,6 +357,8 @@ class _Call:
         # keyed ""); the caller's own partitions wait under its own name.
         self.queues: dict[str, collections.deque[int]] = {}
         self.in_flight: dict[str, int] = {}
+        # Guards the queues and in_flight, which RPC threads update too (see _arrived).
+        self.lock = threading.RLock()
         self.arrivals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.bar: Any = None
         # Whether this call's in-process partitions share parameters with remote ones in a
@@ -407,7 +410,19 @@ class _Call:
             future.add_done_callback(lambda _: setattr(record, "done", timeline.now()))
         if self.bar is not None:
             future.add_done_callback(lambda _: self.bar.update())
-        future.add_done_callback(lambda _, index=index: self.arrivals.put(index))
+        future.add_done_callback(lambda _, index=index: self._arrived(index))
+
+    def _arrived(self, index: int) -> None:
+        """A partition's future completed (on an RPC thread, or here if it failed at once)."""
+        if self.context_id is None:
+            # Sends carry no distributed autograd context: hand the freed slot out from here,
+            # so that the worker goes on while the caller computes partitions of its own.
+            with self.lock:
+                worker = self.workers[index]
+                self.in_flight[worker] -= 1
+                self.fill(worker)
+            index = -1  # only wakes the caller
+        self.arrivals.put(index)
 
     def run_here(self, index: int) -> None:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
@@ -442,11 +457,16 @@ class _Call:
 
     def fill(self, worker: str, bound: int = IN_FLIGHT_PER_WORKER) -> None:
         """Send ``worker`` its next partitions, up to ``bound`` in flight."""
-        while self.in_flight.get(worker, 0) < bound:
-            index = self._next_for(worker)
-            if index is None:
-                return
-            self.send(index, worker)
+        with self.lock:
+            while self.in_flight.get(worker, 0) < bound:
+                index = self._next_for(worker)
+                if index is None:
+                    return
+                self.send(index, worker)
+
+    def _busy(self) -> bool:
+        with self.lock:
+            return any(self.in_flight.values())
 
     def drive(self, remote_workers: list[str], runs_here: bool) -> None:
         """Send and run every partition; return when none is left to start or in flight."""
@@ -458,13 +478,19 @@ class _Call:
                     done = self.arrivals.get_nowait()
                 except queue.Empty:
                     break
-                worker = self.workers[done]
-                self.in_flight[worker] -= 1
-                self.fill(worker)
+                if done >= 0:
+                    worker = self.workers[done]
+                    self.in_flight[worker] -= 1
+                    self.fill(worker)
             if runs_here:
-                index = self._next_for(self.own)
+                with self.lock:
+                    index = self._next_for(self.own)
                 if index is not None:
-                    if self.dynamic and len(self.queues[""]) > len(remote_workers):
+                    if (
+                        self.context_id is not None
+                        and self.dynamic
+                        and len(self.queues[""]) > len(remote_workers)
+                    ):
                         # Nothing is handed out while this thread computes: give each worker
                         # one more to go on with meanwhile, unless the end is near (the last
                         # partitions go to whoever frees up first).
@@ -472,7 +498,7 @@ class _Call:
                             self.fill(worker, IN_FLIGHT_PER_WORKER + 1)
                     self.run_here(index)
                     continue
-            if not any(self.in_flight.values()):
+            if not self._busy():
                 return
             self.arrivals.put(self._wait_for_arrival())
 
