@@ -37,7 +37,7 @@ from metadist.network import free_loopback_port
 WARMUP = 10
 
 
-def _child(rank: int, port: int, tasks: int, steps: int, out: str, form: str) -> None:
+def _child(rank: int, port: int, tasks: int, steps: int, out: str, form: str) -> None:  # noqa: PLR0917
     workload._env(rank, 2, port)  # the same world bench_overhead's variants run in
 
     @metadist.auto_init_rpc()
