@@ -311,7 +311,6 @@ class _Call:
         "queues",
         "records",
         "reducer",
-        "shares_gradients",
         "sizes",
         "sources",
         "timeline",
@@ -361,9 +360,6 @@ class _Call:
         self.lock = threading.RLock()
         self.arrivals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.bar: Any = None
-        # Whether this call's in-process partitions share parameters with remote ones in a
-        # distributed backward pass (see transport.as_received).
-        self.shares_gradients = False
         self.timeline = timeline.active()
         self.call_number = self.timeline.new_call() if self.timeline is not None else -1
         self.records: dict[int, timeline.PartitionRecord] = {}
@@ -428,8 +424,6 @@ class _Call:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
         self.workers[index] = self.own
         _, args, kwargs = self.parts[index]
-        if self.shares_gradients:
-            args, kwargs = transport.as_received(args, kwargs)
         if self.timeline is not None:
             self._record(index, self.own)
             self.records[index].start = self.records[index].sent
@@ -531,12 +525,11 @@ class _Call:
             value = future.wait()
         except Exception as error:
             return False, _rpc_error(error, index, len(self.workers), worker, self.timeout)
-        notify = None
         if isinstance(value, remote_worker.Timed):
             record = self.records[index]
             record.start, record.end, value = value.start, value.end, value.value
-            record.bytes_in = transport.wire_bytes(value)
-            notify = functools.partial(setattr, record, "gradients_sent")
+            kept = value.value if isinstance(value, remote_worker.Graph) else value
+            record.bytes_in = transport.wire_bytes(kept)
         if isinstance(value, RemoteFailure):
             if value.stage != "decode":  # the worker cached the structures before the call
                 transport.mark_structure_confirmed(
@@ -558,7 +551,6 @@ class _Call:
                 self.input_nodes[index],
                 f"{self.func_name} (partition {index} on {worker!r})",
                 self.differentiable[index],
-                notify,
             )
         return True, value
 
@@ -738,7 +730,6 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
         # RPC attaches these partitions to the distributed autograd context; their argument
         # graphs let a backward pass follow results sent on to further calls (see autograd).
         attached = call.context_id is not None and call.grad_mode == remote_worker.GRAD
-        call.shares_gradients = attached
         memo = transport.CallMemo()
         # Encode every partition that may travel before sending anything, so that bad input
         # fails with no RPC sent.

@@ -38,9 +38,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +52,7 @@ from torch.distributed.autograd import get_gradients as _dist_get_gradients  # t
 
 from metadist import timeline, transport
 from metadist import worker as remote_worker
-from metadist._pytree import tree_flatten, tree_unflatten
+from metadist._pytree import tree_flatten
 from metadist.errors import RemoteError, RemoteFailure
 from metadist.world import require_rpc
 
@@ -426,72 +425,7 @@ def grad_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, li
     return sends, nodes
 
 
-_RECEIVE_NODE = "torch::distributed::autograd::RecvRpcBackward"
-# Gives the outputs of _SendGradientsFirst a grad_fn; its own gradient is never computed.
-_ANCHOR = torch.zeros((), requires_grad=True)
-
-
-class _SendGradientsFirst(torch.autograd.Function):
-    """Pass a remote partition's results through; in backward, send their gradients at once.
-
-    The autograd engine runs ready nodes newest first, and torch creates the node that sends a
-    remote result's gradients back to its worker (``RecvRpcBackward``) with the oldest possible
-    sequence number, so it would run only after every local node of the pass, including the
-    caller's own partition: the workers would start their share of the backward pass only when
-    the caller had finished its own. This node is made when the result arrives, so it runs as
-    soon as the gradients of the results are known, and hands them to torch's receive node
-    itself; the workers' backward then overlaps the caller's. (The receive node has no local
-    edges, so calling it here instead of from the engine changes nothing else.)
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, node: Any, notify: Callable[[float], None] | None, *received: torch.Tensor
-    ) -> Any:
-        ctx.node = node
-        ctx.notify = notify
-        return tuple(t.view_as(t) for t in received[1:])  # received[0] is the anchor
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
-        ctx.node(*grads)
-        if ctx.notify is not None:
-            ctx.notify(time.time())
-        return (None,) * (len(grads) + 3)
-
-
-def _send_gradients_first(value: Any, notify: Callable[[float], None] | None) -> Any:
-    """``value`` with each remote result routed through :class:`_SendGradientsFirst`."""
-    leaves, spec = tree_flatten(value)
-    groups: dict[int, tuple[Any, dict[int, list[int]]]] = {}
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
-            node = leaf.grad_fn
-            if node.name() == _RECEIVE_NODE:
-                groups.setdefault(id(node), (node, {}))[1].setdefault(leaf.output_nr, []).append(i)
-    if not groups:
-        return value
-    for node, outputs in groups.values():
-        # Every input of the receive node needs its gradient; if a result tensor is out of
-        # sight (inside an object pytree does not open), leave the node to the engine.
-        if len(outputs) != len(node._input_metadata):
-            continue
-        received = [leaves[outputs[k][0]].detach() for k in range(len(outputs))]
-        linked = _SendGradientsFirst.apply(node, notify, _ANCHOR, *received)
-        for k, places in outputs.items():
-            for i in places:
-                leaves[i] = linked[k]
-    return tree_unflatten(leaves, spec)
-
-
-def receive(  # noqa: PLR0917 - called by metadist.api only
-    context_id: int,
-    value: Any,
-    inputs: list[Any],
-    name: str,
-    sent_grad: bool,
-    notify: Callable[[float], None] | None = None,
-) -> Any:
+def receive(context_id: int, value: Any, inputs: list[Any], name: str, sent_grad: bool) -> Any:
     """Link one remote partition's result into the caller's graph and record it.
 
     Args:
@@ -501,16 +435,14 @@ def receive(  # noqa: PLR0917 - called by metadist.api only
             :func:`grad_inputs`).
         name: The partition, for error messages (function, index, worker).
         sent_grad: Whether the partition was sent tensors that require grad.
-        notify: Called with the time whenever a backward pass sends the result's gradients.
 
     Returns:
-        The result to hand to the reducer (its tensors are new views of the received ones).
+        The result to hand to the reducer.
     """
     if sent_grad and surely_not_differentiable(value):
         nodes: list[Any] = []
         dangling = [name]
     else:
-        value = _send_gradients_first(value, notify)
         dangling = []
         leaves, _ = tree_flatten(value)
         nodes = [leaf.grad_fn for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.grad_fn]

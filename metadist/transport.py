@@ -57,7 +57,6 @@ __all__ = [
     "encode",
     "invalidate_module_cache",
     "mark_structure_confirmed",
-    "as_received",
     "check_sendable",
     "resolve_compression",
     "wire_bytes",
@@ -237,7 +236,6 @@ class _SendPlan:
         "buffer_ties",
         "checks",
         "fingerprint",
-        "local_rebuilder",
         "param_reads",
         "structure",
         "submodules",
@@ -331,7 +329,6 @@ class _SendPlan:
         self.buffer_reads = tuple(buffer_reads)
         self.structure = structure
         self.fingerprint = hashlib.blake2b(structure, digest_size=16).hexdigest()
-        self.local_rebuilder: _Rebuilder | None = None
 
     def modules(self, root: nn.Module) -> tuple[nn.Module, ...]:
         """The module list (``root.modules()`` order) this plan was made for."""
@@ -742,63 +739,6 @@ def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             _plan_for(leaf, (args, kwargs, i))
         elif not isinstance(leaf, torch.Tensor) and not _is_plain(leaf):
             _refuse_hidden_grad(leaf, (args, kwargs, i))
-
-
-def as_received(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """The arguments as a worker would receive them, built without leaving this process.
-
-    For a partition the caller runs itself while others of the same call run on workers, inside
-    a distributed autograd context. Each tensor that requires grad (module parameters included)
-    is handed over as one alias, and each module as a fresh copy whose parameters are those
-    aliases and whose buffers are copies, as on a worker. A parameter's gradient then gets
-    exactly one term from this partition and one from each remote one; torch adds the terms in
-    whatever order they arrive, and with one local and one remote term that order cannot change
-    the sum, so two-worker runs are bit-for-bit reproducible. (Handing over the caller's own
-    module would add each use of a parameter as its own term, in an order that depends on when
-    the remote gradients arrive.)
-
-    Args:
-        args: Positional arguments of the partition.
-        kwargs: Keyword arguments of the partition.
-
-    Returns:
-        ``(args, kwargs)`` to call the partition's function with.
-    """
-    leaves, spec = tree_flatten((args, kwargs))
-    changed = False
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, nn.Module):
-            leaves[i] = _local_copy(leaf, (args, kwargs, i))
-            changed = True
-        elif isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            leaves[i] = leaf.view_as(leaf)
-            changed = True
-    if not changed:
-        return args, kwargs
-    return tree_unflatten(leaves, spec)
-
-
-def _local_copy(module: nn.Module, where: _ArgPosition) -> nn.Module:
-    plan, modules = _plan_for(module, where)
-    if plan.local_rebuilder is None:
-        plan.local_rebuilder = _Rebuilder(*pickle.loads(plan.structure))
-    params = []
-    for k, _, p in plan.param_reads:
-        if not p.requires_grad:
-            params.append(p)
-        elif getattr(modules[k], "sparse", False) is True:  # see _encode_module
-            params.append(torch.ops.aten.alias.default(p))
-        else:
-            params.append(p.view_as(p))
-    buffers: list[torch.Tensor | None] = []
-    for k, name in plan.buffer_reads:
-        b = modules[k]._buffers.get(name)
-        buffers.append(None if b is None else b.detach().clone())
-    training = 0
-    for i, m in enumerate(modules):
-        if m.training:
-            training |= 1 << i
-    return plan.local_rebuilder.build(params, buffers, training)
 
 
 # --------------------------------------------------------------------------------------------------

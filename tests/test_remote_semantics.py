@@ -245,18 +245,17 @@ def remote_backward_overlaps_local_backward(world_size: int) -> None:
     for _ in range(5):
         md.remote_sync_call(stamps, partitioner=1)  # warm up
         STAMPS.clear()
-        with mag.context() as ctx:
-            loss = md.remote_sync_call(
-                stamped_loss,
-                args=(model, x),
-                partitioner=md.dim_partitioner(0, workers=[0, 1]),
-                reducer=md.mean_reducer,
-            )
-            mag.backward(ctx, [loss])
+        loss = md.remote_sync_call(
+            stamped_loss,
+            args=(model, x),
+            partitioner=md.dim_partitioner(0, workers=[0, 1]),
+            reducer=md.mean_reducer,
+        )
+        loss.backward()
         local = stamps()
         (remote,) = md.remote_sync_call(stamps, partitioner=1)
-        # torch would run the node that sends worker 1 its gradients only after the caller's
-        # whole partition; metadist sends them first, so worker 1 starts before rank 0 is done
+        # The node that sends worker 1 its gradients runs before the caller's own partition's
+        # backward, so worker 1 starts before rank 0 is done
         overlapped.append((remote["start"] < local["end"], remote, local))
     assert sum(ok for ok, *_ in overlapped) >= 4, overlapped
 
@@ -272,11 +271,10 @@ def two_worker_gradients_are_reproducible(world_size: int) -> None:
     first = None
     for _ in range(20):
         model.zero_grad()
-        with mag.context() as ctx:
-            loss = md.remote_sync_call(
-                run_module, args=(model, x), partitioner=part, reducer=md.sum_reducer
-            )
-            mag.backward(ctx, [loss])
+        loss = md.remote_sync_call(
+            run_module, args=(model, x), partitioner=part, reducer=md.sum_reducer
+        )
+        loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
         if first is None:
             first = grads

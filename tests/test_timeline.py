@@ -17,7 +17,6 @@ from _dist import Scenarios, run_scenarios
 from torch import nn
 
 import metadist as md
-from metadist import autograd as mag
 from metadist import timeline
 
 
@@ -34,9 +33,8 @@ def records_match_the_calls(world_size: int) -> None:
     x = torch.randn(6, 4)
     path = Path(f"/tmp/metadist-timeline-{md.get_rank()}-{id(model)}.json")
     with timeline.record(path) as tl:
-        with mag.context() as ctx:
-            loss = md.remote_sync_call(run_module, args=(model, x), reducer=md.sum_reducer)
-            mag.backward(ctx, [loss])
+        loss = md.remote_sync_call(run_module, args=(model, x), reducer=md.sum_reducer)
+        loss.backward()
         md.remote_sync_call(double, args=(torch.ones(5),), partitioner=2)
     assert tl.calls == 2
     first = [r for r in tl.partitions if r.call == 0]
