@@ -2,8 +2,10 @@
 
 ``remote_async_call(func, args=..., partitioner=..., reducer=...)`` splits the arguments with the
 partitioner, runs ``func`` on each partition's worker over RPC, and reduces the per-partition
-results on the caller. Inside :func:`metadist.autograd.context` the whole computation is
-differentiable, including ``nn.Module`` arguments (see :mod:`metadist.transport`).
+results on the caller. The call is differentiable like a local function, ``nn.Module``
+arguments included: the path reads caller (here) → partition (:mod:`metadist.partition`) →
+send (:mod:`metadist.transport`) → worker (:mod:`metadist.worker`) → result
+(:mod:`metadist.reduce`) → backward request (:mod:`metadist.autograd`).
 """
 
 from __future__ import annotations
@@ -282,8 +284,8 @@ class _Call:
     (``local`` holds their outcomes); the others are RPC futures. An asynchronous call sends
     every remote partition at once; a synchronous one sends at most
     :data:`IN_FLIGHT_PER_WORKER` per worker and the next as each one finishes (for a dynamic
-    schedule, to whichever worker finished), from the calling thread, which also holds the
-    distributed autograd context.
+    schedule, to whichever worker finished): from the RPC thread that saw it finish, or, inside
+    a distributed autograd context, from the calling thread, which alone holds the context.
     """
 
     __slots__ = (

@@ -1,24 +1,20 @@
-"""Distributed autograd with the semantics of ``torch.autograd``.
+"""Gradients through remote calls: the caller's half of a call's backward, and contexts.
 
-``torch.distributed.autograd`` does not write ``.grad``: it accumulates every gradient of a
-context into that context's gradient map, across all backward passes run in the context.
-metadist builds the familiar semantics on top:
+Outside a distributed autograd context, a remote call is a differentiable function: each
+remote partition's graph stays on its worker (:mod:`metadist.worker`), and on the caller the
+call is two nodes (:func:`arguments_node`, :func:`results_node`) whose backward sends the
+results' gradients in one request per worker and returns the arguments' gradients, so plain
+``loss.backward()``, ``torch.autograd.grad`` (also with ``create_graph``) and ``torch.optim``
+work as in one process.
 
-* :func:`backward` accumulates into ``.grad`` of this worker's leaves exactly like
-  ``torch.autograd.backward`` (only this pass's contribution is added);
-* :func:`grad` returns new tensors and touches neither ``.grad`` nor earlier results, so calling
-  it twice in one context does not double-count (TorchOpt's returns the map's accumulated
-  tensors, which a second call both doubles and mutates in place).
-
-Floating-point caveat: the first pass in a :func:`context` reads the map directly (exact). Later
-passes in the same context get their contribution as ``map_after - map_before``, which can
-differ from a fresh computation in the last bits (about 1e-7 relative in float32).
-
-Distributed autograd (FAST mode) also needs every remote result received in a context, also
-before an earlier backward pass in it, to be reachable from the roots of each backward pass, or
-it waits forever. metadist checks this for results of :func:`metadist.remote_async_call` made
-inside :func:`context` and raises instead; a result sent on to another remote call counts as
-reached when that call's result is. Open one context per backward pass.
+Inside a context (:func:`context`, or ``torch.distributed.autograd.context()``), calls travel
+attached to it and torch's distributed autograd differentiates them, as programs built on RRefs
+and owners' optimizers need. torch never writes ``.grad`` there: it accumulates every gradient
+of a context into the context's map. :func:`backward` and :func:`grad` give the semantics of
+``torch.autograd`` on top (this pass's contribution only; ``grad`` can be called twice), and
+raise where torch would wait forever: each pass must reach every remote result received in
+the context (FAST mode). Later passes in one context get their contribution as
+``map_after - map_before``, exact up to the last bits; open one context per pass.
 
 Example:
     >>> import torch
