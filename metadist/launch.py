@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.rpc import RpcBackendOptions  # type: ignore[attr-defined]
 
 from metadist import network, world
+from metadist import worker as remote_worker
 from metadist._quiet import quiet_torch_warnings
 from metadist.world import LaunchEnvironment, WorldInfo, default_worker_name_format
 
@@ -498,10 +499,16 @@ def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
     _RELEASED.clear()
     future = world.arrive_async(_DONE, info.world_rank, expected=info.world_size, timeout=0)
     done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
+
+    def finished(_: object) -> None:
+        done.set()
+        remote_worker.wake()
+
+    future.add_done_callback(finished)
     dead: set[str] = set()
     names = world.get_worker_names()
-    while not done.wait(poll):
+    # While it waits, this thread computes the partitions sent here (see metadist.worker).
+    while not remote_worker.lend_main_thread(done, poll):
         if info.world_rank != 0:
             if _RELEASED.is_set():
                 return list(_RELEASED_DEAD)
