@@ -3,7 +3,7 @@
 Each task adapts a small MLP for a number of inner steps drawn per task (1 to 8, so one task
 costs up to 8 times another) and returns its query loss; a meta-batch of ``--tasks`` tasks is
 split one task per partition (``dim_partitioner(0, exclusive=True)``) over rank 0 (the caller,
-in-process) and rank 1. Timed per step (forward and distributed backward), interleaved round by
+in-process) and rank 1. Timed per step (forward and ``loss.backward()``), interleaved round by
 round:
 
 * ``static``: round-robin assignment fixed before anything runs (task i on worker i mod 2);
@@ -74,11 +74,10 @@ def batch(kind: str, tasks: int) -> tuple[Tensor, Tensor]:
 
 def step(model: nn.Module, x: Tensor, steps: Tensor, schedule: str) -> Tensor:
     part = metadist.dim_partitioner(0, exclusive=True, schedule=schedule)
-    with metadist.autograd.context() as ctx:
-        loss = metadist.remote_sync_call(
-            task_loss, args=(model, x, steps), partitioner=part, reducer=metadist.mean_reducer
-        )
-        metadist.autograd.backward(ctx, [loss])
+    loss = metadist.remote_sync_call(
+        task_loss, args=(model, x, steps), partitioner=part, reducer=metadist.mean_reducer
+    )
+    loss.backward()
     return loss.detach()
 
 
