@@ -623,6 +623,29 @@ def parallelize_draws_progress(world_size: int) -> None:
     assert "6/6" in bar.getvalue(), bar.getvalue()
 
 
+def compressed_calls_are_close(world_size: int) -> None:
+    remote, local = pair(11)
+    x = torch.randn(12, 1)
+    out = md.remote_sync_call(
+        mse, args=(remote, x, x.cos()), reducer=md.mean_reducer, compression="bf16"
+    )
+    out.backward()
+    mse(local, x, x.cos()).backward()
+    for a, b in zip(remote.parameters(), local.parameters(), strict=True):
+        assert a.grad is not None
+        assert a.grad.dtype == torch.float32
+        torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-3)
+
+
+def no_grad_calls_keep_nothing(world_size: int) -> None:
+    model = nn.Linear(3, 1)
+    before = md.remote_sync_call(kept_graphs, partitioner=1)[0]
+    with torch.no_grad():
+        (out,) = md.remote_sync_call(square_mean, args=(model, torch.randn(4, 3)), partitioner=1)
+    assert not out.requires_grad
+    assert md.remote_sync_call(kept_graphs, partitioner=1)[0] == before
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     backward_without_context_every_partitioner,
     issue_examples_are_exact,
@@ -639,6 +662,8 @@ SCENARIOS: list[Callable[[int], Any]] = [
     gradient_of_a_gradient_through_a_call,
     maml_with_a_distributed_inner_loop,
     parallelize_draws_progress,
+    compressed_calls_are_close,
+    no_grad_calls_keep_nothing,
 ]
 
 
