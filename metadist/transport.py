@@ -1,23 +1,23 @@
-"""How arguments and results travel: differentiable modules, a structure cache, compression.
+"""How arguments and results travel: modules by cached structure, leaves, compression.
 
-On torch 2.13 an ``nn.Parameter`` pickled by RPC is rebuilt on the worker as a *new leaf*, so
-distributed autograd never links it to the caller's parameter and the caller's gradients are
-silently lost. metadist therefore never sends a module as is. For each ``nn.Module`` argument it
-sends
+metadist never pickles a module as is. For each ``nn.Module`` argument it sends
 
 * once per worker, the module's *structure*: the module tree pickled with every parameter and
   buffer left out (cached on the worker, keyed by a fingerprint of those bytes; the caller keeps
   the bytes and sends them again only when the module's structure changes), and
-* on every call, the parameter tensors as plain tensors (``p.view_as(p)``), which distributed
-  autograd records, so gradients flow back to the caller's parameters; the buffers detached
-  (remote buffer updates, e.g. BatchNorm running statistics, are not sent back); and the
-  ``training`` flag of every submodule.
+* on every call, the parameter tensors (small modules' packed into one flat tensor), the
+  buffers, and the ``training`` flag of every submodule.
 
-The worker rebuilds a fresh module object per call (RPC handlers run concurrently), whose
-``_parameters`` hold the received tensors. ``nn.Parameter`` leaves of the arguments are sent as
-plain tensors the same way. With compression (``"bf16"`` or ``"fp16"``), floating-point tensors
-are cast differentiably for the wire, so gradients travel compressed too, and cast back on
-arrival.
+The worker rebuilds a fresh module object per call (RPC handlers run concurrently). Outside a
+distributed autograd context everything travels detached and :func:`decode` makes the
+parameters ``nn.Parameter`` leaves and the tensors that required grad leaf tensors again,
+listing them in the order of :func:`encode`'s ``sources``: the worker differentiates with
+respect to them (:mod:`metadist.worker`). Inside a context (``attached``), parameters travel as
+plain-tensor views that distributed autograd records instead, since torch rebuilds a pickled
+``nn.Parameter`` as a new leaf it never links to the caller's. Buffers always travel detached
+(remote buffer updates, e.g. BatchNorm running statistics, are not sent back). With compression
+(``"bf16"`` or ``"fp16"``), floating-point tensors are cast for the wire, gradients too, and
+cast back on arrival.
 
 Non-tensor attributes of a module (e.g. ``dropout.p``) are captured when its structure is first
 sent; call :func:`invalidate_module_cache` after changing them.
@@ -115,11 +115,11 @@ class _Compressed:
 
 
 class _GradLeaf:
-    """A tensor that requires grad but travels detached (no autograd context or grad mode off).
+    """A tensor that requires grad, travelling detached (outside a distributed autograd context).
 
-    RPC sends tensors without their ``requires_grad`` flag unless distributed autograd records
-    them; the worker sets it again, so code that differentiates locally inside the remote
-    function (an inner loop under the caller's ``torch.no_grad()``) works as it does locally.
+    RPC sends tensors without their ``requires_grad`` flag; the worker makes it a leaf that
+    requires grad again (also under the caller's ``torch.no_grad()``, for an inner loop that
+    differentiates locally inside the remote function, as it would locally).
     """
 
     __slots__ = ("tensor",)
