@@ -156,11 +156,7 @@ class RemoteGradients:
                     if part.record is not None:
                         part.record.gradients_sent = timeline.now()
             self.futures[worker] = request(
-                worker,
-                [(p.number, g) for p, g in items],
-                create_graph,
-                self.compression,
-                self.world_token,
+                worker, [(p.number, g) for p, g in items], create_graph, self.compression
             )
 
     def collect(self, inputs: tuple[torch.Tensor, ...], create_graph: bool) -> list[Any]:
@@ -195,16 +191,15 @@ def request(
     items: list[tuple[int, list[torch.Tensor | None]]],
     create_graph: bool,
     compression: Any,
-    world_token: object,
 ) -> Any:
-    """Send one gradient request to ``worker``; a future of its answers."""
+    """Send one gradient request to ``worker``; a future of its answers.
+
+    Releases never travel with it: another request of the same backward pass may still be
+    reading a graph that this pass has just freed on the caller.
+    """
     if compression is not None:
         items = [(n, transport.compress_tree(g, compression)) for n, g in items]
-    return rpc.rpc_async(
-        worker,
-        remote_worker.vjp,
-        args=(items, create_graph, compression, released(world_token, worker)),
-    )
+    return rpc.rpc_async(worker, remote_worker.vjp, args=(items, create_graph, compression))
 
 
 def answers(worker: str, future: Any) -> list[Any]:

@@ -500,11 +500,11 @@ def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
     future = world.arrive_async(_DONE, info.world_rank, expected=info.world_size, timeout=0)
     done = threading.Event()
 
-    def finished(_: object) -> None:
+    def on_done(_: object) -> None:
         done.set()
         remote_worker.wake()
 
-    future.add_done_callback(finished)
+    future.add_done_callback(on_done)
     dead: set[str] = set()
     names = world.get_worker_names()
     # While it waits, this thread computes the partitions sent here (see metadist.worker).

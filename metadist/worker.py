@@ -8,7 +8,8 @@ worker keeps the graph under a number and answers a later *gradient request* for
 ``torch.autograd.grad``: the vector-Jacobian product of the partition, in the sense of
 ``torch.func.vjp``. With ``create_graph`` the answer is itself differentiable and kept the same
 way, which is how a gradient of a gradient crosses a call. The caller's half is in
-:mod:`metadist.autograd`; graphs are dropped when the caller's graph is (:func:`release`).
+:mod:`metadist.autograd`; a graph is dropped when the caller's is, told with the caller's next
+message here.
 """
 
 from __future__ import annotations
@@ -86,8 +87,7 @@ class _MainThread:
                 while not until.is_set():
                     item = self.jobs.get(timeout=timeout)
                     if item is not None:
-                        job, future = item
-                        future.set_result(job())  # jobs catch their own errors
+                        _finish(*item)
                         with self.lock:
                             self.idle = True
         finally:
@@ -96,8 +96,17 @@ class _MainThread:
             # A job handed over just before the end still runs.
             with contextlib.suppress(queue.Empty):
                 while (item := self.jobs.get_nowait()) is not None:
-                    item[1].set_result(item[0]())
+                    _finish(*item)
         return until.is_set()
+
+
+def _finish(job: Callable[[], Any], future: Future[Any]) -> None:
+    try:
+        result = job()  # jobs return their own errors; this is for Ctrl-C and the like
+    except BaseException as error:
+        future.set_exception(error)
+        raise
+    future.set_result(result)
 
 
 _MAIN = _MainThread()
@@ -342,7 +351,6 @@ def _vjp(
     requests: list[tuple[int, list[torch.Tensor | None]]],
     create_graph: bool,
     compression: torch.dtype | None,
-    release: tuple[int, ...] = (),
 ) -> Any:
     """Answer one gradient request: the gradients of the kept graphs' leaves.
 
@@ -356,7 +364,6 @@ def _vjp(
         the outputs do not depend on it); with ``create_graph``, the number and output indices
         of the answer's own graph (else ``-1`` and ``()``); or a ``RemoteFailure``.
     """
-    _drop(release)
     world.use_process_threads()
     try:
         with _GRAPHS_LOCK:
