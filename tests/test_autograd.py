@@ -4,19 +4,25 @@ Without any metadist context: plain ``loss.backward()``, ``torch.autograd.grad``
 ``torch.optim`` on the caller, for every partitioner and the in-process share; leaves on the
 worker (``higher``, learn2learn-style ``clone()/adapt()``, torch.func, ``torch.optim`` and
 ``p.grad`` inside a partition); nested calls of every pattern; partial, repeated and retained
-backward passes; worker memory over many calls; gradients of gradients through a call. Then the
-same nested patterns inside ``metadist.autograd.context()``. One spawned world of 3 runs every
-scenario (rank 0 drives); each reports under its own test id.
+backward passes; worker memory over many calls; gradients of gradients through a call; the
+backward overlap and bit-for-bit reproducibility. Inside ``metadist.autograd.context()``: the
+same nested patterns, ``backward``/``grad`` semantics and torch's rules turned into errors
+instead of hangs. One spawned world of 3 runs every scenario (rank 0 drives); each reports
+under its own test id.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import io
 import resource
 import sys
+import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -24,10 +30,15 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from _dist import Scenarios, run_scenarios
 from torch import nn
+from torch.func import functional_call
+from torch.nn.functional import cross_entropy, relu
 
 import metadist as md
 from metadist import autograd as mag
 from metadist import worker as remote_worker
+from metadist.api import parallelize, remote_sync_call
+from metadist.partition import dim_partitioner
+from metadist.reduce import mean_reducer
 
 # ------------------------------------------------------------------------------------------
 # Remote functions (module level: workers import them by name)
@@ -646,6 +657,390 @@ def no_grad_calls_keep_nothing(world_size: int) -> None:
     assert md.remote_sync_call(kept_graphs, partitioner=1)[0] == before
 
 
+# ------------------------------------------------------------------------------------------
+# The same guarantees and torch's rules inside a distributed autograd context, the overlap and
+# reproducibility of the plain path, chained and partly used results
+def weighted(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (w * x).sum()
+
+
+def times_three_sum(w: torch.Tensor) -> torch.Tensor:
+    return (w * 3.0).sum()
+
+
+def square(m: torch.Tensor) -> torch.Tensor:
+    return m * m
+
+
+def fresh_leaf(w: torch.Tensor) -> torch.Tensor:
+    return torch.ones(2, requires_grad=True) * 2.0  # ignores w
+
+
+def loss_and_aux(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (w * x).sum(), w * 10.0
+
+
+def run_module(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = m(x)
+    return (out[0] if isinstance(out, tuple) else out).pow(2).sum()
+
+
+STAMPS: list[tuple[str, float]] = []
+
+
+def stamped_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    h = model(x)
+    h.register_hook(lambda g: STAMPS.append(("end", time.time())) or g)
+    out = h
+    eye = torch.eye(out.shape[-1])
+    for _ in range(100):  # a backward long enough (tens of ms) to see whether another overlaps it
+        out = torch.tanh(out @ eye)
+    out.register_hook(lambda g: STAMPS.append(("start", time.time())) or g)
+    return out.pow(2).mean()
+
+
+def stamps() -> dict[str, float]:
+    return dict(STAMPS)
+
+
+def grads_of(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in module.parameters()]  # type: ignore[union-attr]
+
+
+def mixed_partitions_equal_local(world_size: int) -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(10, 4)
+    for partitioner in (None, md.dim_partitioner(0, exclusive=True)):
+        model.zero_grad()
+        ref.zero_grad()
+        with mag.context() as ctx:
+            loss = md.remote_sync_call(
+                run_module, args=(model, x), partitioner=partitioner, reducer=md.sum_reducer
+            )
+            mag.backward(ctx, [loss])
+        expected = run_module(ref, x)
+        expected.backward()
+        assert_close(loss.detach(), expected.detach(), "value")
+        for a, b in zip(grads_of(model), grads_of(ref), strict=True):
+            assert_close(a, b, "gradient")
+
+
+def remote_backward_overlaps_local_backward(world_size: int) -> None:
+    torch.manual_seed(2)
+    model = nn.Linear(256, 256)
+    x = torch.randn(128, 256)
+    overlapped = []
+    for _ in range(5):
+        md.remote_sync_call(stamps, partitioner=1)  # warm up
+        STAMPS.clear()
+        loss = md.remote_sync_call(
+            stamped_loss,
+            args=(model, x),
+            partitioner=md.dim_partitioner(0, workers=[0, 1]),
+            reducer=md.mean_reducer,
+        )
+        loss.backward()
+        local = stamps()
+        (remote,) = md.remote_sync_call(stamps, partitioner=1)
+        # The node that sends worker 1 its gradients runs before the caller's own partition's
+        # backward, so worker 1 starts before rank 0 is done
+        overlapped.append((remote["start"] < local["end"], remote, local))
+    assert sum(ok for ok, *_ in overlapped) >= 4, overlapped
+
+
+def two_worker_gradients_are_reproducible(world_size: int) -> None:
+    """The caller's partition and one remote one: bit-identical gradients on every repeat."""
+    torch.manual_seed(6)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
+    x = torch.randn(64, 8)
+    part = md.dim_partitioner(0, workers=[0, 1])
+    first = None
+    for _ in range(20):
+        model.zero_grad()
+        loss = md.remote_sync_call(
+            run_module, args=(model, x), partitioner=part, reducer=md.sum_reducer
+        )
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        if first is None:
+            first = grads
+        for a, b in zip(grads, first, strict=True):
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
+def chained_calls_are_differentiable(world_size: int) -> None:
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    with mag.context() as ctx:
+        m = md.remote_sync_call(times_three_sum, args=(w,), partitioner=1, reducer=md.mean_reducer)
+        (o,) = md.remote_sync_call(square, args=(m,), partitioner=2)
+        (g,) = mag.grad(ctx, o, [w])
+    assert g.tolist() == [54.0, 54.0]
+
+
+def fresh_leaf_result_does_not_hang(world_size: int) -> None:
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    with mag.context() as ctx:
+        (a,) = md.remote_sync_call(weighted, args=(w, torch.tensor([3.0, 4.0])), partitioner=1)
+        (b,) = md.remote_sync_call(fresh_leaf, args=(w,), partitioner=2)
+        (g,) = mag.grad(ctx, a + b.sum(), [w])
+    assert g.tolist() == [3.0, 4.0]  # the fresh leaf contributes nothing, as locally
+
+
+def one_of_several_results_is_enough(world_size: int) -> None:
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    with mag.context() as ctx:
+        ((loss, aux),) = md.remote_sync_call(
+            loss_and_aux, args=(w, torch.tensor([3.0, 4.0])), partitioner=1
+        )
+        (g,) = mag.grad(ctx, loss, [w])
+    assert aux.requires_grad
+    assert g.tolist() == [3.0, 4.0]
+
+
+def count_elements(x: torch.Tensor) -> int:
+    return int(x.numel())  # nothing differentiable comes back
+
+
+@dataclass
+class Doubled:
+    """A result class pytree cannot look into."""
+
+    total: torch.Tensor
+
+
+def doubled(x: torch.Tensor) -> Doubled:
+    return Doubled((x * 2).sum())
+
+
+def scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 1.001
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(relu(self.bn(self.conv(x))).flatten(1))
+
+
+def maml_loss(
+    model: nn.Module,
+    x_spt: torch.Tensor,
+    y_spt: torch.Tensor,
+    x_qry: torch.Tensor,
+    y_qry: torch.Tensor,
+) -> torch.Tensor:
+    """Mean query loss over this partition's tasks after 2 inner SGD steps (torch.func)."""
+    params = dict(model.named_parameters())
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+
+    # BatchNorm updates its running statistics in place: inside torch.func.grad they must be
+    # an input of the transformed function, not captured.
+    def inner(
+        p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        return cross_entropy(functional_call(model, (p, b), (x,)), y)
+
+    losses = []
+    for t in range(x_spt.shape[0]):
+        fast = params
+        for _ in range(2):
+            grads = torch.func.grad(inner)(fast, buffers, x_spt[t], y_spt[t])
+            fast = {k: fast[k] - 0.4 * grads[k] for k in fast}
+        losses.append(inner(fast, buffers, x_qry[t], y_qry[t]))
+    return torch.stack(losses).mean()
+
+
+def _tasks(seed: int, n_tasks: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(n_tasks, 5, 1, 6, 6, generator=g),
+        torch.randint(0, 3, (n_tasks, 5), generator=g),
+        torch.randn(n_tasks, 5, 1, 6, 6, generator=g),
+        torch.randint(0, 3, (n_tasks, 5), generator=g),
+    )
+
+
+def _bounded(seconds: float, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a thread: a regression that hangs fails here, not at the world's timeout."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as error:  # re-raised on the calling thread
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still running after {seconds} s: it hangs"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@functools.cache
+def _maml_setup() -> tuple[
+    ConvNet, tuple[torch.Tensor, ...], list[nn.Parameter], tuple[torch.Tensor, ...]
+]:
+    """The model, 7 tasks (3, 2, 2 over 3 workers) and the single-process meta-gradient."""
+    torch.manual_seed(0)
+    model = ConvNet()
+    tasks = _tasks(1, 7)
+    params = list(model.parameters())
+    ref_grads = torch.autograd.grad(maml_loss(model, *tasks), params)
+    return model, tasks, params, ref_grads
+
+
+def meta_gradients_match_single_process(world_size: int) -> None:
+    model, tasks, params, ref_grads = _maml_setup()
+    running_mean = model.bn.running_mean.clone()
+    model.zero_grad(set_to_none=True)
+    # Distributed meta-gradients, as the MAML example writes them.
+    with mag.context() as ctx:
+        loss = remote_sync_call(
+            maml_loss,
+            args=(model, *tasks),
+            partitioner=dim_partitioner(0),
+            reducer=mean_reducer,
+        )
+        mag.backward(ctx, [loss])
+    dist_grads = [p.grad.clone() for p in params]
+    assert torch.equal(model.bn.running_mean, running_mean)  # remote buffer updates stay remote
+
+    # Single-process reference.
+    model.zero_grad(set_to_none=True)
+    ref_loss = maml_loss(model, *tasks)
+    ref_grads = torch.autograd.grad(ref_loss, params)
+    assert _rel_err(loss.detach(), ref_loss.detach()) <= 1e-5
+    for (name, _), d, r in zip(model.named_parameters(), dist_grads, ref_grads, strict=True):
+        assert r.abs().sum() > 0, name
+        assert _rel_err(d, r) <= 1e-5, (name, _rel_err(d, r))
+
+
+def grad_returns_new_tensors_and_never_double_counts(world_size: int) -> None:
+    model, tasks, params, ref_grads = _maml_setup()
+    # grad(): new tensors, .grad untouched, a second call neither double-counts nor mutates.
+    model.zero_grad(set_to_none=True)
+    with mag.context() as ctx:
+        loss = remote_sync_call(
+            maml_loss, args=(model, *tasks), partitioner=dim_partitioner(0), reducer=mean_reducer
+        )
+        first = mag.grad(ctx, loss, params, retain_graph=True)
+        kept = [g.clone() for g in first]
+        second = mag.grad(ctx, [loss], params)
+        gradient_map = mag.get_gradients(ctx)
+    assert all(p.grad is None for p in params)
+    for f, k, s, r in zip(first, kept, second, ref_grads, strict=True):
+        assert torch.equal(f, k)
+        assert _rel_err(f, r) <= 1e-5
+        assert _rel_err(s, r) <= 1e-5
+    for p, r in zip(params, ref_grads, strict=True):  # the raw map holds both passes
+        assert _rel_err(gradient_map[p], 2 * r) <= 1e-5
+
+
+def backward_accumulates_like_torch_autograd(world_size: int) -> None:
+    model, tasks, params, ref_grads = _maml_setup()
+    # backward() accumulates into existing .grad like torch.autograd.backward; the decorated
+    # form used by the MAML example works the same.
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with mag.context() as ctx:
+        loss = decorated_maml_loss(model, *tasks)
+        mag.backward(ctx, loss)
+    for p, r in zip(params, ref_grads, strict=True):
+        torch.testing.assert_close(p.grad, 1 + r, rtol=1e-5, atol=1e-6)
+
+
+def unreachable_result_raises_instead_of_hanging(world_size: int) -> None:
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    # A received result that the backward pass cannot reach raises instead of hanging.
+    with mag.context() as ctx:
+        (a,) = remote_sync_call(weighted, args=(w, torch.ones(2)), partitioner=1)
+        (b,) = remote_sync_call(weighted, args=(w, torch.ones(2)), partitioner=2)
+        with pytest.raises(RuntimeError, match="not reachable"):
+            mag.backward(ctx, [b])
+        mag.backward(ctx, [a + b])
+    assert w.grad is not None
+    assert w.grad.tolist() == [2.0, 2.0]
+    with mag.context() as ctx:
+        (c,) = remote_sync_call(scale, args=(w,), partitioner=1)
+        with pytest.raises(ValueError, match="scalars only"):
+            mag.backward(ctx, [c])
+
+
+def later_pass_must_reach_earlier_results(world_size: int) -> None:
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    # A later pass in the same context must reach the results received before an earlier pass
+    # too (torch waits for them): it raises within seconds instead of hanging.
+    v = nn.Parameter(torch.tensor([4.0, 6.0]))
+    x2 = torch.tensor([3.0, 5.0])
+    with mag.context() as ctx:
+        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
+        assert _bounded(30, lambda: mag.grad(ctx, y, w))[0].tolist() == [3.0, 5.0]
+        (z,) = remote_sync_call(weighted, args=(v, x2), partitioner=2)
+        with pytest.raises(RuntimeError, match=r"not reachable.*new metadist\.autograd\.context"):
+            _bounded(30, lambda: mag.grad(ctx, z, [v]))
+        # Reaching it as well: the first pass freed its graph (torch would fail on the worker).
+        with pytest.raises(RuntimeError, match=r"freed their graph.*retain_graph=True"):
+            _bounded(30, lambda: mag.grad(ctx, y + z, [v]))
+    # With retain_graph=True on the earlier pass, a later pass that reaches both works.
+    with mag.context() as ctx:
+        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
+        _bounded(30, lambda: mag.grad(ctx, y, w, retain_graph=True))
+        (z,) = remote_sync_call(weighted, args=(v, x2), partitioner=2)
+        gw, gv = _bounded(30, lambda: mag.grad(ctx, y + 2 * z, [w, v]))
+    assert (gw.tolist(), gv.tolist()) == ([3.0, 5.0], [6.0, 10.0])
+
+
+def dangling_call_is_named(world_size: int) -> None:
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    x2 = torch.tensor([3.0, 5.0])
+    # A call sent tensors that require grad but returning nothing differentiable (a metric):
+    # torch would wait for its gradients forever; metadist names it. Under no_grad it is fine.
+    with mag.context() as ctx:
+        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
+        assert remote_sync_call(count_elements, args=(w,), partitioner=2) == [2]
+        with pytest.raises(RuntimeError, match=r"count_elements \(partition 0 on 'worker2'\)"):
+            _bounded(30, lambda: mag.grad(ctx, y, w))
+    with mag.context() as ctx:
+        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
+        with torch.no_grad():
+            assert remote_sync_call(count_elements, args=(w,), partitioner=2) == [2]
+        assert _bounded(30, lambda: mag.grad(ctx, y, w))[0].tolist() == [3.0, 5.0]
+    # A differentiable tensor inside a result class is not mistaken for a dangling call.
+    with mag.context() as ctx:
+        (d,) = remote_sync_call(doubled, args=(w,), partitioner=2)
+        assert _bounded(30, lambda: mag.grad(ctx, d.total, w))[0].tolist() == [2.0, 2.0]
+    assert mag._open_contexts() == 0  # released when each context closed
+
+
+@parallelize(partitioner=dim_partitioner(0), reducer=mean_reducer)
+def decorated_maml_loss(
+    model: nn.Module,
+    x_spt: torch.Tensor,
+    y_spt: torch.Tensor,
+    x_qry: torch.Tensor,
+    y_qry: torch.Tensor,
+) -> torch.Tensor:
+    return maml_loss(model, x_spt, y_spt, x_qry, y_qry)
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     backward_without_context_every_partitioner,
     issue_examples_are_exact,
@@ -664,6 +1059,18 @@ SCENARIOS: list[Callable[[int], Any]] = [
     parallelize_draws_progress,
     compressed_calls_are_close,
     no_grad_calls_keep_nothing,
+    mixed_partitions_equal_local,
+    remote_backward_overlaps_local_backward,
+    two_worker_gradients_are_reproducible,
+    chained_calls_are_differentiable,
+    fresh_leaf_result_does_not_hang,
+    one_of_several_results_is_enough,
+    meta_gradients_match_single_process,
+    grad_returns_new_tensors_and_never_double_counts,
+    backward_accumulates_like_torch_autograd,
+    unreachable_result_raises_instead_of_hanging,
+    later_pass_must_reach_earlier_results,
+    dangling_call_is_named,
 ]
 
 
