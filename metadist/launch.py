@@ -1,9 +1,10 @@
-"""The entry point: start RPC from the launcher's environment, run the job, shut down cleanly.
+"""How a process joins a world: the entry decorator, from launcher environment to shutdown.
 
-Launchers: torchrun (or a manual launch with its variables), ``srun`` (SLURM), ``mpirun``
-(Open MPI), or none (a world of 1); see :func:`metadist.world.read_launch_environment` for the
-precedence. This module also holds the shutdown handshake that tells a finished worker from a
-dead one, which torch's graceful shutdown cannot do.
+:func:`auto_init_rpc` reads the launcher's variables (torchrun or a manual launch with its
+variables, ``srun``, ``mpirun``, or none: a world of 1), finds rank 0 and the interface to listen
+on (:mod:`metadist.network`), tunes the process for RPC's handler threads, starts RPC, and ends
+with a shutdown handshake that tells a finished worker from a dead one, which torch's graceful
+shutdown cannot do.
 """
 
 from __future__ import annotations
@@ -14,26 +15,34 @@ import functools
 import ipaddress
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ParamSpec, Protocol, TypeVar, cast
 
+import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.rpc import RpcBackendOptions  # type: ignore[attr-defined]
 
 from metadist import network, world
 from metadist._quiet import quiet_torch_warnings
-from metadist.world import LaunchEnvironment, WorldInfo, default_worker_name_format
+from metadist.errors import is_timeout
+from metadist.world import WorldInfo, default_worker_name_format
 
 __all__ = [
     "SLURM_PORT_BASE",
+    "LaunchEnvironment",
     "WorkerNameFormat",
     "auto_init_rpc",
     "default_worker_name_format",
     "expand_hostlist",
     "master_address",
+    "read_launch_environment",
+    "tasks_per_node",
+    "use_process_threads",
 ]
 
 P = ParamSpec("P")
@@ -145,37 +154,161 @@ def auto_init_rpc(
     return decorator
 
 
-_M_ARENA_MAX = -8  # glibc's mallopt parameter number
-ABORT_GRACE = 2.0  # seconds a Ctrl-C'd worker gives its local RPC teardown
+# --------------------------------------------------------------------------------------------------
+# The launcher's environment, read each time it is asked for (never cached at import)
 
 
-def _limit_malloc_arenas() -> None:
-    """Make RPC's handler threads allocate from glibc's main arena.
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """Which launcher started this process, and the ranks it gave it.
 
-    RPC runs remote calls on a pool of threads, and glibc gives each new thread its own malloc
-    arena. Those arenas hand freed memory back to the kernel and fault it in again on the next
-    call: measured on the MAML benchmark, a 4-task forward took ~800 ms on an RPC thread (600 ms
-    of it in the kernel) against 175 ms with one arena. ``mallopt(M_ARENA_MAX, 1)`` before the
-    pool starts fixes it. A user-set ``MALLOC_ARENA_MAX`` wins, and
-    ``METADIST_MALLOC_ARENA_MAX`` (``0`` = leave glibc alone) overrides the count.
+    Attributes:
+        launcher: ``"torchrun"`` (torchrun, or a manual launch setting ``WORLD_SIZE``),
+            ``"mpirun"`` (Open MPI), ``"srun"`` (SLURM) or ``"python"`` (none: a world of 1).
+        info: The ranks and sizes read from that launcher's variables.
     """
-    if os.environ.get("MALLOC_ARENA_MAX"):
-        return
-    raw = os.environ.get("METADIST_MALLOC_ARENA_MAX", "1")
+
+    launcher: str
+    info: WorldInfo
+
+
+def _env_int(name: str, launcher: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ValueError(f"environment variable {name} is not set, but {launcher} needs it")
+        return default
     try:
-        arenas = int(raw)
+        return int(raw)
     except ValueError:
         raise ValueError(
-            f"environment variable METADIST_MALLOC_ARENA_MAX={raw!r} must be an integer "
-            f"(0 leaves glibc's default)"
+            f"environment variable {name}={raw!r} is not an integer; {launcher} sets it to one"
         ) from None
-    if arenas <= 0:
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
-        return
-    mallopt(_M_ARENA_MAX, arenas)
+
+
+def _checked(
+    names: tuple[str, str, str, str], rank: int, size: int, local_rank: int, local_size: int
+) -> WorldInfo:
+    """Build a WorldInfo, naming the launcher variable that is out of range."""
+    rank_name, size_name, local_rank_name, local_size_name = names
+    if size < 1:
+        raise ValueError(f"environment variable {size_name}={size} must be >= 1")
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"environment variable {rank_name}={rank} must be in [0, {size_name}={size})"
+        )
+    if local_size < 1:
+        raise ValueError(f"environment variable {local_size_name}={local_size} must be >= 1")
+    if not 0 <= local_rank < local_size:
+        raise ValueError(
+            f"environment variable {local_rank_name}={local_rank} must be in "
+            f"[0, {local_size_name}={local_size})"
+        )
+    return WorldInfo(rank, size, local_rank, local_size)
+
+
+def _torchrun_info() -> WorldInfo:
+    world_size = _env_int("WORLD_SIZE", "torchrun", 1)
+    rank = _env_int("RANK", "torchrun", 0)
+    # A manual launch that sets only RANK/WORLD_SIZE is a single-node launch.
+    local_world_size = _env_int(
+        "LOCAL_WORLD_SIZE", "torchrun", world_size if "LOCAL_RANK" not in os.environ else 1
+    )
+    local_rank = _env_int("LOCAL_RANK", "torchrun", rank if local_world_size == world_size else 0)
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    return _checked(names, rank, world_size, local_rank, local_world_size)
+
+
+def _open_mpi_info() -> WorldInfo:
+    prefix = "OMPI_COMM_WORLD_"
+    names = (f"{prefix}RANK", f"{prefix}SIZE", f"{prefix}LOCAL_RANK", f"{prefix}LOCAL_SIZE")
+    values = [_env_int(name, "mpirun") for name in names]
+    return _checked(names, *values)
+
+
+def tasks_per_node(spec: str) -> list[int]:
+    """Expand SLURM's ``SLURM_TASKS_PER_NODE`` syntax: ``"2(x3),1"`` is ``[2, 2, 2, 1]``.
+
+    Args:
+        spec: The variable's value.
+
+    Returns:
+        The number of tasks on each node of the step, in node order.
+
+    Raises:
+        ValueError: ``spec`` is not in SLURM's syntax.
+
+    Example:
+        >>> tasks_per_node("2(x3),1")
+        [2, 2, 2, 1]
+    """
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise ValueError(
+                f"environment variable SLURM_TASKS_PER_NODE={spec!r} is not in SLURM's syntax "
+                f"(counts like '2(x3),1')"
+            )
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def _slurm_info() -> WorldInfo:
+    rank = _env_int("SLURM_PROCID", "srun")
+    size = _env_int("SLURM_NTASKS", "srun")
+    local_rank = _env_int("SLURM_LOCALID", "srun", 0)
+    spec = os.environ.get("SLURM_TASKS_PER_NODE")
+    local_size_name = "SLURM_TASKS_PER_NODE"
+    if spec:
+        counts = tasks_per_node(spec)
+        node = _env_int("SLURM_NODEID", "srun", 0)
+        if not 0 <= node < len(counts):
+            raise ValueError(
+                f"environment variable SLURM_NODEID={node} must be in [0, {len(counts)}), the "
+                f"nodes listed by SLURM_TASKS_PER_NODE={spec!r}"
+            )
+        local_size = counts[node]
+    elif os.environ.get("SLURM_NTASKS_PER_NODE"):
+        local_size_name = "SLURM_NTASKS_PER_NODE"
+        local_size = _env_int(local_size_name, "srun")
+    elif _env_int("SLURM_NNODES", "srun", 1) == 1:
+        local_size = size  # one node holds every task
+    else:
+        raise ValueError(
+            "srun set neither SLURM_TASKS_PER_NODE nor SLURM_NTASKS_PER_NODE for a job on "
+            "several nodes; set one of them (or LOCAL_WORLD_SIZE with torchrun's variables)"
+        )
+    names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", local_size_name)
+    return _checked(names, rank, size, local_rank, local_size)
+
+
+def read_launch_environment() -> LaunchEnvironment:
+    """Read the launcher's variables now (no RPC needed).
+
+    Precedence, first match wins: torchrun's ``WORLD_SIZE`` (with ``RANK``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``), Open MPI's ``OMPI_COMM_WORLD_SIZE`` (``mpirun`` sets them only for
+    the processes it starts, so it wins over the SLURM allocation it may run in), SLURM's
+    ``SLURM_PROCID`` with ``SLURM_NTASKS`` (set by ``srun``), else a world of 1.
+
+    Returns:
+        The launcher and the ranks it gave this process.
+
+    Raises:
+        ValueError: A variable is malformed or out of range (the message names it).
+
+    Example:
+        >>> env = read_launch_environment()
+        >>> env.launcher in ("torchrun", "mpirun", "srun", "python")
+        True
+    """
+    if "WORLD_SIZE" in os.environ:
+        return LaunchEnvironment("torchrun", _torchrun_info())
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return LaunchEnvironment("mpirun", _open_mpi_info())
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        return LaunchEnvironment("srun", _slurm_info())
+    return LaunchEnvironment("python", _torchrun_info())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -401,6 +534,61 @@ def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) 
     )
 
 
+# --------------------------------------------------------------------------------------------------
+# Process tuning for RPC's handler threads
+
+_M_ARENA_MAX = -8  # glibc's mallopt parameter number
+
+
+def _limit_malloc_arenas() -> None:
+    """Make RPC's handler threads allocate from glibc's main arena.
+
+    RPC runs remote calls on a pool of threads, and glibc gives each new thread its own malloc
+    arena. Those arenas hand freed memory back to the kernel and fault it in again on the next
+    call: measured on the MAML benchmark, a 4-task forward took ~800 ms on an RPC thread (600 ms
+    of it in the kernel) against 175 ms with one arena. ``mallopt(M_ARENA_MAX, 1)`` before the
+    pool starts fixes it. A user-set ``MALLOC_ARENA_MAX`` wins, and
+    ``METADIST_MALLOC_ARENA_MAX`` (``0`` = leave glibc alone) overrides the count.
+    """
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return
+    raw = os.environ.get("METADIST_MALLOC_ARENA_MAX", "1")
+    try:
+        arenas = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable METADIST_MALLOC_ARENA_MAX={raw!r} must be an integer "
+            f"(0 leaves glibc's default)"
+        ) from None
+    if arenas <= 0:
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return
+    mallopt(_M_ARENA_MAX, arenas)
+
+
+# OpenMP keeps its team size per thread. torch applies torch.set_num_threads() to the threads it
+# starts, but RPC handler threads (TensorPipe's pool) keep OpenMP's default, one thread per core,
+# unless OMP_NUM_THREADS was set before the process started (torchrun sets it; srun, mpirun and
+# multiprocessing do not). Their parallel ops then spread over every core and contend with the
+# other processes of the node. Measured on 2 cores, one thread per process: a 12-task MAML
+# forward and backward took 2.0-2.3 ms on a handler thread against 1.5 ms on the main thread,
+# and 1.55 ms on the handler thread once aligned.
+_OPENMP = torch.backends.openmp.is_available()
+
+
+def use_process_threads() -> None:
+    """Give the calling thread the process's intra-op thread count (``torch.get_num_threads()``).
+
+    metadist calls it where it runs user work on a thread torch did not start (a remote call's
+    partition, an owner's optimizer step). It costs well under a microsecond.
+    """
+    if _OPENMP:
+        torch.set_num_threads(torch.get_num_threads())
+
+
 def _run_in_world(
     job: Callable[[], R],
     *,
@@ -410,7 +598,7 @@ def _run_in_world(
     options: RpcBackendOptions | None,
     shutdown_timeout: float,
 ) -> R:
-    launch = world.read_launch_environment()
+    launch = read_launch_environment()
     info = launch.info
     name = worker_name_format(
         world_rank=info.world_rank,
@@ -474,6 +662,8 @@ def _ping() -> bool:
     return True
 
 
+ABORT_GRACE = 2.0  # seconds a Ctrl-C'd worker gives its local RPC teardown
+
 # Set on a worker when rank 0 ends the shutdown handshake without the workers it found dead.
 _RELEASED = threading.Event()
 _RELEASED_DEAD: list[str] = []
@@ -536,7 +726,7 @@ def _unreachable(ranks: list[int], timeout: float) -> list[str]:
         try:
             rpc.rpc_sync(rank, _ping, timeout=timeout)
         except RuntimeError as error:
-            if "timeout" not in str(error).lower():
+            if not is_timeout(error):
                 gone.append(names[rank])
     return gone
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import metadist
 from metadist.launch import SLURM_PORT_BASE, expand_hostlist, master_address
-from metadist.world import read_launch_environment, tasks_per_node
+from metadist.launch import read_launch_environment, tasks_per_node
 
 SCRIPT = REPO / "tests" / "scripts" / "multinode_worker.py"
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "TP_SOCKET", "GLOO_SOCKET", "TORCHELASTIC_")

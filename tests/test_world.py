@@ -197,7 +197,7 @@ def test_rank_selectors_reject_bad_ranks(
 def test_listening_interface_and_rendezvous(clean_env: pytest.MonkeyPatch) -> None:
     # Which interface a launch listens on, decided before RPC starts (no RPC needed).
     from metadist.launch import _listener_and_rendezvous
-    from metadist.world import read_launch_environment
+    from metadist.launch import read_launch_environment
 
     for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         clean_env.delenv(name, raising=False)
@@ -323,7 +323,9 @@ def run_world_checks(rank: int, world_size: int) -> None:
     )
     info = metadist.get_world_info()
     assert info == metadist.WorldInfo(rank, world_size, rank, world_size)
-    assert info.worker_name == names[rank]
+    # A value type reads nothing global: its name is the default format's, the world's is custom.
+    assert info.worker_name == default_worker_name_format(*info)
+    assert metadist.get_worker_name() == names[rank] != info.worker_name
     assert metadist.get_worker_id(names[2]) == 2
     assert metadist.get_worker_id(1) == 1
     with pytest.raises(ValueError, match=r"unknown worker id 3: known workers are 0='trainer-0"):
