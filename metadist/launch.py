@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ParamSpec, Protocol, TypeVar, cast
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 import torch.distributed.rpc as rpc
@@ -35,7 +35,6 @@ from metadist.world import WorldInfo, default_worker_name_format
 __all__ = [
     "SLURM_PORT_BASE",
     "LaunchEnvironment",
-    "WorkerNameFormat",
     "auto_init_rpc",
     "default_worker_name_format",
     "expand_hostlist",
@@ -51,17 +50,9 @@ R = TypeVar("R")
 logger = logging.getLogger("metadist")
 
 
-class WorkerNameFormat(Protocol):
-    """A callable naming a worker from its ranks (called with keyword arguments)."""
-
-    def __call__(
-        self, *, world_rank: int, world_size: int, local_rank: int, local_world_size: int
-    ) -> str: ...
-
-
 def auto_init_rpc(
     worker_init_fn: Callable[[], object] | None = None,
-    worker_name_format: WorkerNameFormat | Callable[..., str] = default_worker_name_format,
+    worker_name_format: Callable[..., str] = default_worker_name_format,
     *,
     backend: rpc.BackendType | None = None,
     rpc_backend_options: RpcBackendOptions | None = None,
@@ -69,31 +60,22 @@ def auto_init_rpc(
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate the entry function of a job so that it runs inside an RPC world.
 
-    On every call the decorated function reads the launcher's environment (torchrun's
-    ``RANK``, ``WORLD_SIZE``, ... with ``MASTER_ADDR`` / ``MASTER_PORT``; else ``mpirun``'s
-    ``OMPI_COMM_WORLD_*``; else ``srun``'s ``SLURM_*``; with none of them, as under plain
-    ``python script.py``, the job is a world of 1), starts RPC, waits for every worker, runs
-    ``worker_init_fn()``, waits again, runs the function, and shuts RPC down gracefully in
-    ``finally``: workers whose function returned keep serving requests until every worker is
-    done. Every rank runs the function; use :func:`metadist.rank_zero_only` for the driver's
-    part. Errors are recorded for torchelastic so that ``torchrun`` reports them. Where RPC is
-    already running (a nested decorated call, or ``rpc.init_rpc`` called by the program), the
-    function just runs in that world.
+    Each call reads the launcher's environment (torchrun's, ``mpirun``'s, ``srun``'s; none:
+    a world of 1, see :func:`read_launch_environment`), starts RPC, waits for every worker,
+    runs ``worker_init_fn()``, waits again, runs the function on every rank, and shuts RPC down
+    in ``finally``: workers that are done keep serving requests until every worker is done.
+    Errors are recorded for torchelastic so that ``torchrun`` reports them. Inside a running
+    world (a nested call, or the program's own ``rpc.init_rpc``) the function just runs.
 
-    Single-node jobs listen on loopback only: no launcher, a loopback ``MASTER_ADDR``, or every
-    worker on this node (``LOCAL_WORLD_SIZE == WORLD_SIZE`` as torchrun sets it on one node, or
-    the same from ``srun`` / ``mpirun``), whatever ``MASTER_ADDR`` resolves to. Otherwise RPC
-    listens on the interface that routes to the master (see
-    :func:`metadist.launch.master_address`). ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` you
-    set always win; each worker logs once the interface and address when they are not
-    loopback.
+    Single-node jobs listen on loopback only, whatever ``MASTER_ADDR`` resolves to; others on
+    the interface that routes to the master (:func:`master_address`), logged once per worker.
+    ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` you set always win.
 
     Args:
         worker_init_fn: Called on every worker after RPC starts and before the function (seed,
             set the device, load data).
         worker_name_format: Names a worker from keyword arguments ``world_rank``,
-            ``world_size``, ``local_rank``, ``local_world_size``. The default gives
-            ``worker0 … workerN-1`` zero-padded so that name order equals rank order.
+            ``world_size``, ``local_rank``, ``local_world_size``.
         backend: RPC backend; ``None`` means TensorPipe.
         rpc_backend_options: Options for the backend (timeouts, device maps). Its
             ``init_method`` is replaced by metadist's loopback-only rendezvous for single-node
@@ -101,10 +83,8 @@ def auto_init_rpc(
             only the TCP transport: TensorPipe's shared-memory transport busy-polls a core per
             worker, which starves CPU-bound jobs; pass your own options to use it.
         shutdown_timeout: Seconds that calls still in flight may run once every worker has
-            finished the function (torch's graceful shutdown would wait for them forever).
-            Past it, shutdown raises ``RuntimeError`` on every worker instead of hanging.
-            Ctrl-C (``KeyboardInterrupt``, which torchrun forwards to every worker) does not
-            wait: RPC is torn down locally and the interrupt propagates.
+            finished the function; past it, shutdown raises ``RuntimeError`` instead of hanging.
+            Ctrl-C does not wait: RPC is torn down locally and the interrupt propagates.
 
     Returns:
         A decorator for the entry function.
@@ -190,20 +170,16 @@ def _checked(
     names: tuple[str, str, str, str], rank: int, size: int, local_rank: int, local_size: int
 ) -> WorldInfo:
     """Build a WorldInfo, naming the launcher variable that is out of range."""
-    rank_name, size_name, local_rank_name, local_size_name = names
-    if size < 1:
-        raise ValueError(f"environment variable {size_name}={size} must be >= 1")
-    if not 0 <= rank < size:
-        raise ValueError(
-            f"environment variable {rank_name}={rank} must be in [0, {size_name}={size})"
-        )
-    if local_size < 1:
-        raise ValueError(f"environment variable {local_size_name}={local_size} must be >= 1")
-    if not 0 <= local_rank < local_size:
-        raise ValueError(
-            f"environment variable {local_rank_name}={local_rank} must be in "
-            f"[0, {local_size_name}={local_size})"
-        )
+    for index, index_name, count, count_name in (
+        (rank, names[0], size, names[1]),
+        (local_rank, names[2], local_size, names[3]),
+    ):
+        if count < 1:
+            raise ValueError(f"environment variable {count_name}={count} must be >= 1")
+        if not 0 <= index < count:
+            raise ValueError(
+                f"environment variable {index_name}={index} must be in [0, {count_name}={count})"
+            )
     return WorldInfo(rank, size, local_rank, local_size)
 
 
@@ -227,16 +203,7 @@ def _open_mpi_info() -> WorldInfo:
 
 
 def tasks_per_node(spec: str) -> list[int]:
-    """Expand SLURM's ``SLURM_TASKS_PER_NODE`` syntax: ``"2(x3),1"`` is ``[2, 2, 2, 1]``.
-
-    Args:
-        spec: The variable's value.
-
-    Returns:
-        The number of tasks on each node of the step, in node order.
-
-    Raises:
-        ValueError: ``spec`` is not in SLURM's syntax.
+    """The tasks on each node, in node order, from SLURM's ``SLURM_TASKS_PER_NODE`` syntax.
 
     Example:
         >>> tasks_per_node("2(x3),1")
@@ -284,22 +251,15 @@ def _slurm_info() -> WorldInfo:
 
 
 def read_launch_environment() -> LaunchEnvironment:
-    """Read the launcher's variables now (no RPC needed).
+    """Read the launcher's variables now; ``ValueError`` names one that is malformed.
 
-    Precedence, first match wins: torchrun's ``WORLD_SIZE`` (with ``RANK``, ``LOCAL_RANK``,
+    First match wins: torchrun's ``WORLD_SIZE`` (with ``RANK``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``), Open MPI's ``OMPI_COMM_WORLD_SIZE`` (``mpirun`` sets them only for
     the processes it starts, so it wins over the SLURM allocation it may run in), SLURM's
     ``SLURM_PROCID`` with ``SLURM_NTASKS`` (set by ``srun``), else a world of 1.
 
-    Returns:
-        The launcher and the ranks it gave this process.
-
-    Raises:
-        ValueError: A variable is malformed or out of range (the message names it).
-
     Example:
-        >>> env = read_launch_environment()
-        >>> env.launcher in ("torchrun", "mpirun", "srun", "python")
+        >>> read_launch_environment().launcher in ("torchrun", "mpirun", "srun", "python")
         True
     """
     if "WORLD_SIZE" in os.environ:
@@ -321,80 +281,43 @@ SLURM_PORT_BASE = 15000
 _SLURM_PORT_SPAN = 15000
 
 
-def _split_top_level(text: str) -> list[str]:
-    """Split at the commas that are outside brackets."""
-    parts: list[str] = []
-    current: list[str] = []
-    depth = 0
-    for char in text:
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError("']' without '['")
-        if char == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    if depth != 0:
-        raise ValueError("'[' without ']'")
-    parts.append("".join(current))
-    return parts
-
-
 def _bracket_items(group: str) -> list[str]:
     items = []
     for piece in group.split(","):
         low, dash, high = piece.partition("-")
         if not low.isdigit() or (dash and not high.isdigit()):
             raise ValueError(f"[{group}] holds {piece!r}, not a number or a range like 01-04")
-        if not dash:
-            items.append(low)
-            continue
-        if int(high) < int(low):
+        if dash and int(high) < int(low):
             raise ValueError(f"the range {piece!r} in [{group}] runs backwards")
         # SLURM keeps the zero padding of the lower bound: 08-10 is 08, 09, 10.
-        items += [f"{number:0{len(low)}d}" for number in range(int(low), int(high) + 1)]
+        items += [f"{n:0{len(low)}d}" for n in range(int(low), int(high or low) + 1)]
     return items
 
 
 def _expand_host(pattern: str) -> list[str]:
-    start = pattern.find("[")
-    if start < 0:
+    head, bracket, rest = pattern.partition("[")
+    if not bracket:
         return [pattern]
-    end = pattern.index("]", start)
-    tails = _expand_host(pattern[end + 1 :])
-    return [
-        f"{pattern[:start]}{item}{tail}"
-        for item in _bracket_items(pattern[start + 1 : end])
-        for tail in tails
-    ]
+    group, closed, tail = rest.partition("]")
+    if not closed:
+        raise ValueError("'[' without ']'")
+    return [head + item + end for item in _bracket_items(group) for end in _expand_host(tail)]
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand SLURM's compressed host list, e.g. ``node[01-04,07]``, in order.
 
     Ranges keep the zero padding of their lower bound; several bracket groups in one name
-    expand to their product (``r[1-2]n[1-2]`` is ``r1n1, r1n2, r2n1, r2n2``).
-
-    Args:
-        hostlist: The list, as in ``SLURM_JOB_NODELIST``.
-
-    Returns:
-        The host names.
-
-    Raises:
-        ValueError: The list is empty or malformed (the message quotes it).
+    expand to their product. ``ValueError`` quotes a list that is empty or malformed.
 
     Example:
-        >>> expand_hostlist("node[01-03,07],login")
-        ['node01', 'node02', 'node03', 'node07', 'login']
+        >>> expand_hostlist("node[01-03,07],r[1-2]n1")
+        ['node01', 'node02', 'node03', 'node07', 'r1n1', 'r2n1']
     """
     try:
-        hosts = [host for part in _split_top_level(hostlist.strip()) for host in _expand_host(part)]
-        if not hosts or any(not host or "[" in host or "]" in host for host in hosts):
+        parts = re.split(r",(?![^\[]*\])", hostlist.strip())  # the commas outside brackets
+        hosts = [host for part in parts for host in _expand_host(part)]
+        if any(not host or "[" in host or "]" in host for host in hosts):
             raise ValueError("an empty or unbalanced host name")
     except ValueError as error:
         raise ValueError(f"cannot read the SLURM host list {hostlist!r}: {error}") from None
@@ -408,22 +331,13 @@ def _port(name: str, raw: str) -> int:
 
 
 def master_address(launcher: str) -> tuple[str, int]:
-    """Where rank 0 listens for the rendezvous: ``(address, port)``, read now.
+    """Where rank 0 of a ``launcher``'s job listens for the rendezvous: ``(host, port)``.
 
     ``MASTER_ADDR`` and ``MASTER_PORT``, when set, always win. Otherwise torchrun and
     ``mpirun`` need them (Open MPI does not say which host holds rank 0), and ``srun`` uses the
     first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``), where SLURM places
-    task 0, and the port ``SLURM_PORT_BASE + SLURM_JOB_ID % 15000``.
-
-    Args:
-        launcher: ``"torchrun"``, ``"srun"`` or ``"mpirun"``, as in
-            :class:`metadist.world.LaunchEnvironment`.
-
-    Returns:
-        The master's host name or address, and its port.
-
-    Raises:
-        ValueError: A needed variable is missing or malformed (the message names it).
+    task 0, and the port ``SLURM_PORT_BASE + SLURM_JOB_ID % 15000``. ``ValueError`` names a
+    needed variable that is missing or malformed.
     """
     addr = os.environ.get("MASTER_ADDR")
     port = os.environ.get("MASTER_PORT")
@@ -553,20 +467,14 @@ def _limit_malloc_arenas() -> None:
     if os.environ.get("MALLOC_ARENA_MAX"):
         return
     raw = os.environ.get("METADIST_MALLOC_ARENA_MAX", "1")
-    try:
-        arenas = int(raw)
-    except ValueError:
+    if not raw.strip().lstrip("-").isdigit():
         raise ValueError(
             f"environment variable METADIST_MALLOC_ARENA_MAX={raw!r} must be an integer "
             f"(0 leaves glibc's default)"
-        ) from None
-    if arenas <= 0:
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
-        return
-    mallopt(_M_ARENA_MAX, arenas)
+        )
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        if int(raw) > 0:
+            ctypes.CDLL(None).mallopt(_M_ARENA_MAX, int(raw))
 
 
 # OpenMP keeps its team size per thread. torch applies torch.set_num_threads() to the threads it
@@ -600,12 +508,7 @@ def _run_in_world(
 ) -> R:
     launch = read_launch_environment()
     info = launch.info
-    name = worker_name_format(
-        world_rank=info.world_rank,
-        world_size=info.world_size,
-        local_rank=info.local_rank,
-        local_world_size=info.local_world_size,
-    )
+    name = worker_name_format(**info._asdict())
     if not isinstance(name, str) or not name:
         raise TypeError(f"worker_name_format must return a non-empty str, got {name!r}")
     if options is None:

@@ -122,7 +122,7 @@ def default_worker_name_format(
 
 
 class _Runtime:
-    """What metadist knows about one running RPC world; a new world gets a new one."""
+    """What metadist knows about one running RPC world; a new world gets a new one (its token)."""
 
     def __init__(self, info: WorldInfo, default_timeout: float, names: tuple[str, ...]) -> None:
         self.info = info
@@ -214,18 +214,11 @@ def in_rpc_world() -> bool:
 
 
 def join_world(info: WorldInfo, own_name: str, timeout: float) -> None:
-    """Describe the world RPC was just started in; every worker calls it once, after init.
+    """Describe the world RPC was just started in (every worker, once, after init).
 
-    Gathers every worker's name at rank 0 (rank order), so that names are known without a
-    call per lookup.
-
-    Args:
-        info: This worker's ranks.
-        own_name: This worker's RPC name.
-        timeout: Seconds to wait for the other workers, and the default of :func:`barrier`.
-
-    Raises:
-        ValueError: Two workers have the same name.
+    Gathers every worker's name at rank 0, so that names are known without a call per lookup;
+    ``timeout`` bounds that wait and is the default of :func:`barrier`. Raises ``ValueError``
+    when two workers have the same name.
     """
     global _RUNTIME
     runtime = _RUNTIME = _Runtime(info, timeout, ())
@@ -248,29 +241,15 @@ def leave_world() -> None:
 
 
 def world_token() -> object:
-    """An object that identifies the running world; a restarted world gets a new one.
+    """An object that identifies the running world (a restarted world gets a new one).
 
-    Caches whose entries must not outlive a world (e.g. which module structures a worker holds)
-    key on it.
-
-    Returns:
-        The token.
-
-    Raises:
-        RuntimeError: RPC is not running.
+    Caches whose entries must not outlive a world key on it. ``RuntimeError`` outside a world.
     """
     return _runtime("metadist.world.world_token")
 
 
 def require_rpc(api_name: str) -> None:
-    """Raise the standard error, naming ``api_name``, if no RPC world is running here.
-
-    Args:
-        api_name: The public name the user called, for the message.
-
-    Raises:
-        RuntimeError: RPC is not running.
-    """
+    """Raise the standard ``RuntimeError``, naming ``api_name``, if no RPC world is running."""
     _runtime(api_name)
 
 
@@ -445,33 +424,18 @@ def arrive_async(
     value: Any = None,
     coordinator: str | int = 0,
 ) -> Future[dict[Any, Any]]:
-    """Announce ``member`` at the rendezvous ``key`` held by ``coordinator``.
+    """Announce ``member`` (with ``value``) at the rendezvous ``key`` held by ``coordinator``.
 
-    The building block of :func:`barrier` and of the shutdown handshake.
-
-    Args:
-        key: Names the rendezvous; every member uses the same key.
-        member: Who arrives (a rank or a name), unique among the members.
-        expected: How many members complete the rendezvous.
-        timeout: Seconds to wait for the others; ``0`` waits forever.
-        value: Sent along; the result maps each member to its value.
-        coordinator: The worker (rank or name) that holds the rendezvous.
-
-    Returns:
-        A future of ``{member: value}`` that completes once ``expected`` members arrived.
+    The building block of :func:`barrier` and of the shutdown handshake. Returns a future of
+    ``{member: value}`` that completes once ``expected`` members arrived, or fails after
+    ``timeout`` seconds (``0`` waits forever).
     """
     return rpc.rpc_async(coordinator, _arrive, args=(key, expected, member, value), timeout=timeout)
 
 
 def arrived_members(key: tuple[Any, ...]) -> frozenset[Any]:
-    """The members that arrived so far at a rendezvous this worker coordinates.
-
-    Args:
-        key: The rendezvous, as given to :func:`arrive_async`.
-
-    Returns:
-        The members, empty once the rendezvous completed (or if it never started here).
-    """
+    """The members that arrived so far at a rendezvous this worker coordinates (none once
+    it completed, or if it never started here)."""
     with _PENDING_LOCK:
         entry = _PENDING.get(key)
         return frozenset(entry[1]) if entry is not None else frozenset()
@@ -541,9 +505,6 @@ def wait_all(futures: Iterable[Future[Any]]) -> None:
     """Block until every future is done, in a wait that Ctrl-C can interrupt.
 
     Errors are not raised here: read them from each future afterwards.
-
-    Args:
-        futures: The futures to wait for.
     """
     # torch's Future.wait blocks in C++, where the main thread never sees SIGINT, so a job
     # stuck in a remote call would ignore Ctrl-C. SimpleQueue.get is interruptible, and its put
