@@ -86,6 +86,26 @@ def meta_loss(
     )  # fmt: skip
 
 
+# -- The training step. metadist: today the meta-gradient comes back from the workers through a
+# distributed-autograd context; once metadist's remote calls join local autograd this whole
+# function is `loss, acc = meta_loss(...); loss.backward()`, as --plain already does.
+def meta_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, ...],
+    args: argparse.Namespace,
+) -> list[float]:  # fmt: skip
+    hyper = {k: getattr(args, k) for k in ("inner_lr", "inner_steps", "first_order")}
+    optimizer.zero_grad()
+    if args.plain:
+        loss, acc = inspect.unwrap(meta_loss)(model, *batch, **hyper)  # the same, unsplit
+        loss.backward()
+    else:
+        with metadist.autograd.context() as ctx:
+            loss, acc = meta_loss(model, *batch, **hyper)
+            metadist.autograd.backward(ctx, [loss])
+    optimizer.step()
+    return [loss.item(), acc.item()]
+
+
 @metadist.parallelize(partitioner=metadist.dim_partitioner(0), reducer=metadist.cat_reducer)
 def task_accuracy(
     model: nn.Module,
@@ -144,7 +164,7 @@ def train(args: argparse.Namespace) -> None:
         return b.x_spt, b.y_spt, b.x_qry, b.y_qry
 
     model, summary = meta_train(
-        args, lambda: ConvNet(n_way=args.ways, hidden=args.hidden), meta_loss, sample,
+        args, lambda: ConvNet(n_way=args.ways, hidden=args.hidden), meta_step, sample,
         series=("query loss", "query accuracy"),
         title=f"MAML {args.ways}-way {args.shots}-shot ({args.dataset}), {args.tasks} tasks/step",
     )  # fmt: skip
