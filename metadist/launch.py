@@ -115,8 +115,7 @@ def auto_init_rpc(
 
         @functools.wraps(func)
         def entry(*args: P.args, **kwargs: P.kwargs) -> R:
-            # Already inside a world (a nested decorated call, or RPC the program started with
-            # rpc.init_rpc): just run.
+            # Inside a world (a nested call, or the program's own rpc.init_rpc): just run.
             if world.in_rpc_world():
                 return func(*args, **kwargs)
             return _run_in_world(
@@ -425,19 +424,12 @@ def _listener_and_rendezvous(
 
 def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) -> None:
     """Say once when RPC will listen beyond loopback, naming the interface really used."""
-    # A user-set TP_SOCKET_IFNAME wins over metadist's choice (see network.socket_ifname_env).
-    ifname = os.environ.get("TP_SOCKET_IFNAME") or binding.ifname
-    address = binding.address if ifname == binding.ifname else network.ipv4_of(ifname)
-    try:
-        if address is not None and ipaddress.ip_address(address).is_loopback:
-            return
-    except ValueError:  # an interface without an IPv4 address
-        address = None
-    why = (
-        "set by TP_SOCKET_IFNAME"
-        if os.environ.get("TP_SOCKET_IFNAME")
-        else f"chosen to reach MASTER_ADDR={master_addr}"
-    )
+    user = os.environ.get("TP_SOCKET_IFNAME")  # wins over metadist's choice (socket_ifname_env)
+    ifname = user or binding.ifname
+    address = network.ipv4_of(ifname) if user else binding.address
+    if address is not None and ipaddress.ip_address(address).is_loopback:
+        return
+    why = "set by TP_SOCKET_IFNAME" if user else f"chosen to reach MASTER_ADDR={master_addr}"
     logger.warning(
         "metadist: worker %d listens for RPC on interface %s (%s), %s; RPC is "
         "unauthenticated: run only on trusted networks",

@@ -96,9 +96,8 @@ class WorldInfo(NamedTuple):
 def default_worker_name_format(
     world_rank: int, world_size: int, local_rank: int, local_world_size: int
 ) -> str:
-    """Name workers ``worker0 … workerN-1``, zero-padded so name order equals rank order.
-
-    The width is that of ``world_size``, as in TorchOpt: a world of 10 is ``worker00 … worker09``.
+    """Name workers ``worker0 … workerN-1``, zero-padded to the width of ``world_size`` (as in
+    TorchOpt) so that name order equals rank order.
 
     Args:
         world_rank: Global rank of the worker.
@@ -130,9 +129,6 @@ class _Runtime:
         self.names = names  # in rank order; empty until join_world has gathered them
         self.lock = threading.Lock()
         self.generations: dict[tuple[str, ...], int] = {}
-
-    def __repr__(self) -> str:
-        return f"<metadist world of {self.info.world_size} at {id(self):#x}>"
 
 
 # The world auto_init_rpc started (join_world / leave_world), if any.
@@ -446,8 +442,7 @@ def barrier(
 ) -> None:
     """Block until every listed worker (default: all) has called ``barrier`` with the same list.
 
-    Unlike TorchOpt's barrier, a failure (a worker that never arrives, a dead peer) raises
-    instead of being swallowed.
+    Unlike TorchOpt's, a failure (a worker that never arrives, a dead peer) raises.
 
     Args:
         worker_names: Names or ranks of the workers to wait for, this worker among them;
@@ -462,9 +457,6 @@ def barrier(
         ValueError: Unknown workers, an empty list, this worker is not in the list, or a
             negative ``timeout``.
 
-    Example:
-        >>> import metadist
-        >>> metadist.auto_init_rpc()(metadist.barrier)()  # every worker waits for the others
     """
     runtime = _runtime("metadist.barrier")
     group = runtime.names
@@ -506,9 +498,8 @@ def wait_all(futures: Iterable[Future[Any]]) -> None:
 
     Errors are not raised here: read them from each future afterwards.
     """
-    # torch's Future.wait blocks in C++, where the main thread never sees SIGINT, so a job
-    # stuck in a remote call would ignore Ctrl-C. SimpleQueue.get is interruptible, and its put
-    # is a C function the future can call directly (cheaper than a Python callback).
+    # torch's Future.wait blocks in C++, where the main thread never sees SIGINT. SimpleQueue.get
+    # is interruptible, and its put is a C function the future can call directly.
     pending = [future for future in futures if not future.done()]
     if not pending or threading.current_thread() is not threading.main_thread():
         # Only the main thread receives signals: elsewhere torch's own wait is cheaper.
@@ -603,10 +594,6 @@ def rank_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
 
     Returns:
         A wrapper returning ``func``'s result on rank 0 and ``None`` on other ranks.
-
-    Example:
-        >>> rank_zero_only(lambda path: path)("ckpt.pt")
-        'ckpt.pt'
     """
     return _selector("rank_zero_only", (0,), run_on_listed=True)(func)
 
