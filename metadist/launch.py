@@ -139,13 +139,8 @@ def auto_init_rpc(
 
 @dataclass(frozen=True)
 class LaunchEnvironment:
-    """Which launcher started this process, and the ranks it gave it.
-
-    Attributes:
-        launcher: ``"torchrun"`` (torchrun, or a manual launch setting ``WORLD_SIZE``),
-            ``"mpirun"`` (Open MPI), ``"srun"`` (SLURM) or ``"python"`` (none: a world of 1).
-        info: The ranks and sizes read from that launcher's variables.
-    """
+    """Which launcher started this process (``"torchrun"``, also for a manual launch with its
+    variables, ``"mpirun"``, ``"srun"`` or ``"python"``: none), and the ranks it gave it."""
 
     launcher: str
     info: WorldInfo
@@ -449,12 +444,10 @@ _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 def _limit_malloc_arenas() -> None:
     """Make RPC's handler threads allocate from glibc's main arena.
 
-    RPC runs remote calls on a pool of threads, and glibc gives each new thread its own malloc
-    arena. Those arenas hand freed memory back to the kernel and fault it in again on the next
-    call: measured on the MAML benchmark, a 4-task forward took ~800 ms on an RPC thread (600 ms
-    of it in the kernel) against 175 ms with one arena. ``mallopt(M_ARENA_MAX, 1)`` before the
-    pool starts fixes it. A user-set ``MALLOC_ARENA_MAX`` wins, and
-    ``METADIST_MALLOC_ARENA_MAX`` (``0`` = leave glibc alone) overrides the count.
+    glibc gives each new thread its own arena, which hands freed memory back to the kernel and
+    faults it in again on the next call: a 4-task MAML forward took ~800 ms on an RPC thread
+    (600 ms in the kernel) against 175 ms with one arena. A user-set ``MALLOC_ARENA_MAX`` wins;
+    ``METADIST_MALLOC_ARENA_MAX`` (``0``: leave glibc alone) sets the count.
     """
     if os.environ.get("MALLOC_ARENA_MAX"):
         return
@@ -469,22 +462,17 @@ def _limit_malloc_arenas() -> None:
             ctypes.CDLL(None).mallopt(_M_ARENA_MAX, int(raw))
 
 
-# OpenMP keeps its team size per thread. torch applies torch.set_num_threads() to the threads it
-# starts, but RPC handler threads (TensorPipe's pool) keep OpenMP's default, one thread per core,
-# unless OMP_NUM_THREADS was set before the process started (torchrun sets it; srun, mpirun and
-# multiprocessing do not). Their parallel ops then spread over every core and contend with the
-# other processes of the node. Measured on 2 cores, one thread per process: a 12-task MAML
-# forward and backward took 2.0-2.3 ms on a handler thread against 1.5 ms on the main thread,
-# and 1.55 ms on the handler thread once aligned.
+# OpenMP keeps its team size per thread: RPC handler threads (TensorPipe's pool) keep OpenMP's
+# default, one thread per core, unless OMP_NUM_THREADS was set before the process started
+# (torchrun sets it; srun, mpirun and multiprocessing do not), and contend with the node's other
+# processes. On 2 cores, one thread per process: a 12-task MAML step took 2.0-2.3 ms on a handler
+# thread, 1.5 ms on the main thread and 1.55 ms on the handler thread once aligned.
 _OPENMP = torch.backends.openmp.is_available()
 
 
 def use_process_threads() -> None:
-    """Give the calling thread the process's intra-op thread count (``torch.get_num_threads()``).
-
-    metadist calls it where it runs user work on a thread torch did not start (a remote call's
-    partition, an owner's optimizer step). It costs well under a microsecond.
-    """
+    """Give the calling thread, one torch did not start (an RPC handler running a partition or
+    an owner's optimizer step), the process's intra-op thread count. Well under a microsecond."""
     if _OPENMP:
         torch.set_num_threads(torch.get_num_threads())
 
@@ -655,10 +643,9 @@ def _bounded_shutdown(grace: float, *, graceful: bool) -> bool:
 
 
 def _abort() -> None:
-    """Ctrl-C (torchrun forwards SIGINT to every worker): the user wants the job gone now.
+    """Ctrl-C (torchrun forwards SIGINT to every worker): tear RPC down locally, now.
 
-    Tear RPC down locally instead of waiting for the other workers or for calls in flight;
-    peers still waiting on this worker see it as dead and stop too. A shutdown already running
+    Peers still waiting on this worker see it as dead and stop too. A shutdown already running
     (Ctrl-C during the graceful one) is given the time instead of starting a second one.
     """
     world.leave_world()

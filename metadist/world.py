@@ -141,9 +141,8 @@ _ADOPT_LOCK = threading.Lock()
 def _running_rpc_agent() -> Any | None:
     """torch's RPC agent of this process, or ``None`` when RPC is not running.
 
-    The one private torch call of metadist's world: torch has no public way to list every
-    worker of a running world, and the agent's identity tells a restarted world from the old
-    one. tests/test_interop.py fails loudly if torch renames it.
+    Private torch API: nothing public lists every worker of a running world or tells a restarted
+    world from the old one. tests/test_interop.py fails loudly if torch renames it.
     """
     from torch.distributed.rpc import api
 
@@ -201,11 +200,7 @@ def _runtime(api_name: str) -> _Runtime:
 
 
 def in_rpc_world() -> bool:
-    """Whether an RPC world is running in this process (metadist's or the program's own).
-
-    Returns:
-        ``True`` inside :func:`metadist.auto_init_rpc` or after ``rpc.init_rpc``.
-    """
+    """Whether an RPC world (metadist's, or the program's own ``rpc.init_rpc``) is running."""
     return _current_runtime() is not None
 
 
@@ -257,14 +252,8 @@ def get_world_info() -> WorldInfo:
     """Return this worker's ranks and sizes: the running world's, else the launcher's.
 
     Returns:
-        A :class:`WorldInfo`; rank 0 of a world of 1 outside any launcher.
-
-    Raises:
-        ValueError: A launcher variable is malformed or out of range.
-
-    Example:
-        >>> get_world_info()
-        WorldInfo(world_rank=0, world_size=1, local_rank=0, local_world_size=1)
+        A :class:`WorldInfo`; outside any launcher, rank 0 of a world of 1. A malformed
+        launcher variable raises ``ValueError``.
     """
     runtime = _current_runtime()
     if runtime is not None:
@@ -314,10 +303,10 @@ def get_local_world_size() -> int:
 
 
 def get_worker_names() -> tuple[str, ...]:
-    """Return the names of all workers, indexed by rank.
+    """Return the names of all workers.
 
     Returns:
-        The worker names in rank order.
+        The worker names, in rank order.
 
     Raises:
         RuntimeError: RPC is not running (see :func:`metadist.auto_init_rpc`).
@@ -331,7 +320,7 @@ def get_worker_names() -> tuple[str, ...]:
 
 
 def get_worker_id(id: str | int | None = None) -> int:  # torchopt's signature
-    """Return the rank of a worker given by rank, name, or ``None`` for this worker.
+    """Return the rank of a worker.
 
     Args:
         id: A rank (``int``), a worker name (``str``), or ``None`` for this worker.
@@ -363,7 +352,7 @@ def get_worker_id(id: str | int | None = None) -> int:  # torchopt's signature
 
 
 def get_worker_name(id: str | int | None = None) -> str:
-    """Return the name of a worker given by rank, name, or ``None`` for this worker.
+    """Return the name of a worker.
 
     Args:
         id: A rank, a worker name, or ``None`` for this worker.
@@ -556,16 +545,10 @@ def on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
         *ranks: The ranks that run the function.
 
     Returns:
-        A decorator.
-
-    Raises:
-        ValueError: No rank, or a negative or non-int rank (at decoration).
+        A decorator; ``ValueError`` if no rank is given or one is not a non-negative int.
 
     Example:
-        >>> @on_rank(0)
-        ... def log(msg):
-        ...     return f"rank 0 says {msg}"
-        >>> log("hi")  # on rank 0; other ranks get None
+        >>> on_rank(0)(lambda msg: f"rank 0 says {msg}")("hi")  # other ranks get None
         'rank 0 says hi'
     """
     return _selector("on_rank", ranks, run_on_listed=True)
@@ -578,10 +561,7 @@ def not_on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]
         *ranks: The ranks that skip the function.
 
     Returns:
-        A decorator.
-
-    Raises:
-        ValueError: No rank, or a negative or non-int rank (at decoration).
+        A decorator; ``ValueError`` if no rank is given or one is not a non-negative int.
     """
     return _selector("not_on_rank", ranks, run_on_listed=False)
 
