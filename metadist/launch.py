@@ -77,11 +77,9 @@ def auto_init_rpc(
         worker_name_format: Names a worker from keyword arguments ``world_rank``,
             ``world_size``, ``local_rank``, ``local_world_size``.
         backend: RPC backend; ``None`` means TensorPipe.
-        rpc_backend_options: Options for the backend (timeouts, device maps). Its
-            ``init_method`` is replaced by metadist's loopback-only rendezvous for single-node
-            jobs when left at the default ``env://``. ``None`` means TensorPipe options with
-            only the TCP transport: TensorPipe's shared-memory transport busy-polls a core per
-            worker, which starves CPU-bound jobs; pass your own options to use it.
+        rpc_backend_options: Options for the backend (timeouts, device maps); an ``init_method``
+            left at ``env://`` is replaced by metadist's rendezvous. ``None``: TensorPipe with
+            the TCP transport only (its shared-memory one busy-polls a core per worker).
         shutdown_timeout: Seconds that calls still in flight may run once every worker has
             finished the function; past it, shutdown raises ``RuntimeError`` instead of hanging.
             Ctrl-C does not wait: RPC is torn down locally and the interrupt propagates.
@@ -247,10 +245,9 @@ def _slurm_info() -> WorldInfo:
 def read_launch_environment() -> LaunchEnvironment:
     """Read the launcher's variables now; ``ValueError`` names one that is malformed.
 
-    First match wins: torchrun's ``WORLD_SIZE`` (with ``RANK``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``), Open MPI's ``OMPI_COMM_WORLD_SIZE`` (``mpirun`` sets them only for
-    the processes it starts, so it wins over the SLURM allocation it may run in), SLURM's
-    ``SLURM_PROCID`` with ``SLURM_NTASKS`` (set by ``srun``), else a world of 1.
+    First match wins: torchrun's ``WORLD_SIZE`` (with ``RANK``, ``LOCAL_*``), Open MPI's
+    ``OMPI_COMM_WORLD_SIZE`` (set only for the processes ``mpirun`` starts, so it wins over the
+    SLURM allocation it may run in), ``srun``'s ``SLURM_PROCID`` and ``SLURM_NTASKS``, else 1.
 
     Example:
         >>> read_launch_environment().launcher in ("torchrun", "mpirun", "srun", "python")

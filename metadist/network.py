@@ -1,11 +1,9 @@
 """Where RPC listens and how workers rendezvous: what :mod:`metadist.launch` calls.
 
 RPC is unauthenticated and unpickles what it receives, so a single-node run must not listen on a
-public address. Two things listen in an RPC worker: TensorPipe (``TP_SOCKET_IFNAME``) with its
-internal Gloo group (``GLOO_SOCKET_IFNAME``), and, on rank 0 of a manual launch, the TCP store of
-the rendezvous, which torch binds to every interface. metadist pins the first two to the chosen
-interface and, for loopback runs, serves the store from a socket bound to ``127.0.0.1`` (torchrun
-runs hold the store in the torchrun agent instead, and a world of 1 needs no TCP store at all).
+public address. TensorPipe (``TP_SOCKET_IFNAME``) and its Gloo group (``GLOO_SOCKET_IFNAME``) are
+pinned to the chosen interface; for loopback runs rank 0 serves the rendezvous store from a socket
+bound to ``127.0.0.1`` (torch's binds every interface; torchrun's agent holds its own store).
 """
 
 from __future__ import annotations
@@ -111,11 +109,10 @@ def default_route_interface() -> str | None:
 def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
     """Pick the interface to listen on for a job whose rank 0 is at ``master_addr``.
 
-    Loopback when the master is a loopback address of a single-node job, else the interface
-    that routes to the master. On the master node of a ``multi_node`` job, ``MASTER_ADDR`` is
-    often its own host name, which resolves to a loopback address (``127.0.1.1`` on Debian);
-    listening there would lock the other nodes out, so the default route's interface is used.
-    Raises ``ValueError`` when the address does not resolve or no interface holds the route.
+    Loopback for a loopback master of a single-node job, else the interface that routes to the
+    master. On the master node of a ``multi_node`` job ``MASTER_ADDR`` often resolves to a
+    loopback address (``127.0.1.1`` on Debian), which would lock the other nodes out: the
+    default route's interface is used instead. ``ValueError`` when no interface fits.
 
     Example:
         >>> choose_binding("127.0.0.1").loopback
@@ -145,11 +142,8 @@ def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
 
 
 def user_binding() -> Binding | None:
-    """The interface the user chose with both ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``.
-
-    User-set values always win, so metadist neither second-guesses nor fails on them. The
-    address is ``"unknown"`` for an interface without IPv4; ``None`` when either is unset.
-    """
+    """The interface the user set in both ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` (it
+    always wins), with its IPv4 address or ``"unknown"``; ``None`` unless both are set."""
     tp = os.environ.get("TP_SOCKET_IFNAME")
     if not tp or not os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
@@ -160,11 +154,8 @@ def user_binding() -> Binding | None:
 
 @contextlib.contextmanager
 def socket_ifname_env(ifname: str) -> Iterator[None]:
-    """Set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` to ``ifname`` where the user has not.
-
-    Torch reads them while RPC starts; they are restored afterwards so that nothing else in the
-    process (or its children) inherits metadist's choice.
-    """
+    """Set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` to ``ifname`` where the user has not,
+    while RPC starts: nothing else in the process (or its children) inherits the choice."""
     saved = {name: os.environ.get(name) for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
     for name, value in saved.items():
         if not value:  # user-set values always win
