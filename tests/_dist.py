@@ -44,6 +44,7 @@ def in_ci() -> bool:
 
 def skip_or_fail(reason: str) -> NoReturn:
     """Skip the test, saying why; under CI fail instead: there, everything must run."""
+    __tracebackhide__ = True  # report the test that cannot run, not this helper
     if in_ci():
         pytest.fail(f"CI=true, and this test cannot run: {reason}", pytrace=False)
     pytest.skip(reason)
