@@ -6,8 +6,8 @@ RPC: the check happens before the first request. ``SendCounter`` counts requests
 hands to the RPC agent; each world first shows it counting real ``rpc_sync``/``rpc_async``/
 ``remote`` calls and a real ``DistributedOptimizer.step``, so a zero is meaningful.
 
-A test module defines ``ROWS`` and calls ``run_table(__name__)`` from a module-scoped fixture;
-``table.check(row.name)`` then fails with that row's problem (see :class:`_dist.Scenarios`).
+A test module defines ``ROWS`` and assigns ``table_test(__name__, ROWS)`` to a ``test_*`` name:
+each row is then a test id that fails with that row's problem.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
@@ -175,8 +176,20 @@ def run_table(module: str, timeout: float = 80.0) -> Scenarios:
     return Scenarios(results, error)
 
 
-def row_names(rows: list[Row]) -> list[str]:
-    """The test ids of a table: its rows, then the check that the world survived them."""
+def table_test(module: str, rows: list[Row]) -> Callable[[str], None]:
+    """The test of a module's table: one test id per row (the table runs in one world, once).
+
+    Assign it to a ``test_*`` name in the module, whose ``ROWS`` it runs.
+    """
     names = [row.name for row in rows]
     assert len(set(names)) == len(names), "two rows share a name"
-    return [*names, WORLD_STILL_WORKS]
+    ran: list[Scenarios] = []
+
+    @pytest.mark.timeout(90)
+    @pytest.mark.parametrize("name", [*names, WORLD_STILL_WORKS])
+    def test_bad_call_fails_fast_naming_the_argument_and_sends_nothing(name: str) -> None:
+        if not ran:
+            ran.append(run_table(module))
+        ran[0].check(name)
+
+    return test_bad_call_fails_fast_naming_the_argument_and_sends_nothing

@@ -12,10 +12,8 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
-from _bad_input import Row, double, row_names, run_table
-from _dist import Scenarios
+from _bad_input import Row, double, table_test
 
 from metadist import autograd as md_autograd
 from metadist.api import parallelize, parallelize_async, remote_async_call, remote_sync_call
@@ -347,14 +345,4 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def table() -> Scenarios:
-    return run_table(__name__)
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("name", row_names(ROWS))
-def test_bad_call_fails_fast_naming_the_argument_and_sends_nothing(
-    table: Scenarios, name: str
-) -> None:
-    table.check(name)
+test_bad_call_fails_fast_and_names_the_argument = table_test(__name__, ROWS)

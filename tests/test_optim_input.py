@@ -5,10 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
-from _bad_input import Row, row_names, run_table
-from _dist import Scenarios
+from _bad_input import Row, table_test
 
 from metadist.optim import (
     QHM,
@@ -226,14 +224,4 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def table() -> Scenarios:
-    return run_table(__name__)
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("name", row_names(ROWS))
-def test_bad_call_fails_fast_naming_the_argument_and_sends_nothing(
-    table: Scenarios, name: str
-) -> None:
-    table.check(name)
+test_bad_call_fails_fast_and_names_the_argument = table_test(__name__, ROWS)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch.distributed.rpc as rpc
-from _bad_input import Row, row_names, run_table
-from _dist import REPO, Scenarios, non_loopback_listeners, run_command, run_torchrun, run_world
+from _bad_input import Row, table_test
+from _dist import REPO, non_loopback_listeners, run_command, run_torchrun, run_world
 
 import metadist
 from metadist.world import default_worker_name_format
@@ -421,14 +421,4 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def table() -> Scenarios:
-    return run_table(__name__)
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("name", row_names(ROWS))
-def test_bad_call_fails_fast_naming_the_argument_and_sends_nothing(
-    table: Scenarios, name: str
-) -> None:
-    table.check(name)
+test_bad_call_fails_fast_and_names_the_argument = table_test(__name__, ROWS)
