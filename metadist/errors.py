@@ -6,7 +6,46 @@ import sys
 import traceback
 from typing import Any
 
-__all__ = ["RemoteError", "RemoteFailure"]
+__all__ = ["RemoteError", "RemoteFailure", "is_timeout", "qualified_name", "resolve_qualified_name"]
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether ``error`` says a wait timed out: torch's RPC reports that only in its message.
+
+    Example:
+        >>> is_timeout(RuntimeError("RPC ran for more than set timeout (5 s)"))
+        True
+    """
+    if isinstance(error, TimeoutError):
+        return True
+    text = str(error).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.qualname`` of a function or type (``repr`` for an object without them).
+
+    Example:
+        >>> qualified_name(ValueError)
+        'builtins.ValueError'
+    """
+    qualname = getattr(obj, "__qualname__", None)
+    if qualname is None:
+        return repr(obj)
+    return f"{getattr(obj, '__module__', '?')}.{qualname}"
+
+
+def resolve_qualified_name(module: str, qualname: str) -> Any:
+    """The object a module's attribute path names, or ``None`` (the module is not imported here).
+
+    Example:
+        >>> resolve_qualified_name("builtins", "ValueError") is ValueError
+        True
+    """
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found
 
 
 class RemoteError(RuntimeError):
@@ -111,9 +150,7 @@ class RemoteFailure:
             f"{self.worker!r} (partition {index} of {count}). Remote traceback:\n{self.trace}"
         )
         exc: BaseException | None = None
-        exc_type: Any = sys.modules.get(self.type_module)
-        for part in self.type_qualname.split("."):
-            exc_type = getattr(exc_type, part, None)
+        exc_type = resolve_qualified_name(self.type_module, self.type_qualname)
         if isinstance(exc_type, type) and issubclass(exc_type, Exception):
             try:
                 exc = exc_type(message)

@@ -1,11 +1,9 @@
-"""Where RPC listens: loopback for single-node runs, the interface that routes to the master else.
+"""Where RPC listens and how workers rendezvous: what :mod:`metadist.launch` calls.
 
 RPC is unauthenticated and unpickles what it receives, so a single-node run must not listen on a
-public address. Two things listen in an RPC worker: TensorPipe (``TP_SOCKET_IFNAME``) with its
-internal Gloo group (``GLOO_SOCKET_IFNAME``), and, on rank 0 of a manual launch, the TCP store of
-the rendezvous, which torch binds to every interface. metadist pins the first two to the chosen
-interface and, for loopback runs, serves the store from a socket bound to ``127.0.0.1`` (torchrun
-runs hold the store in the torchrun agent instead, and a world of 1 needs no TCP store at all).
+public address. TensorPipe (``TP_SOCKET_IFNAME``) and its Gloo group (``GLOO_SOCKET_IFNAME``) are
+pinned to the chosen interface; for loopback runs rank 0 serves the rendezvous store from a socket
+bound to ``127.0.0.1`` (torch's binds every interface; torchrun's agent holds its own store).
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import contextlib
 import datetime
 import fcntl
 import ipaddress
-import logging
 import os
 import socket
 import struct
@@ -27,9 +24,9 @@ from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: i
 from torch.distributed.rendezvous import register_rendezvous_handler, rendezvous
 
 __all__ = [
+    "ELASTIC_SCHEME",
     "LOCAL_SCHEME",
     "LOOPBACK_SCHEME",
-    "ELASTIC_SCHEME",
     "Binding",
     "choose_binding",
     "default_route_interface",
@@ -40,8 +37,6 @@ __all__ = [
     "user_binding",
 ]
 
-logger = logging.getLogger("metadist")
-
 LOCAL_SCHEME = "metadist-local"
 LOOPBACK_SCHEME = "metadist-loopback"
 ELASTIC_SCHEME = "metadist-elastic"
@@ -50,13 +45,8 @@ _SIOCGIFADDR = 0x8915
 
 @dataclass(frozen=True)
 class Binding:
-    """Where this worker's RPC listens.
-
-    Attributes:
-        ifname: Network interface name for TensorPipe and Gloo (e.g. ``lo``, ``eth0``).
-        address: The IP address of that interface.
-        loopback: Whether the whole job runs on this host over loopback.
-    """
+    """Where this worker's RPC listens: an interface (``lo``, ``eth0``), its address, and
+    whether the whole job runs on this host over loopback."""
 
     ifname: str
     address: str
@@ -76,42 +66,26 @@ def _resolve(host: str) -> str:
 def ipv4_of(ifname: str) -> str | None:
     """The IPv4 address of interface ``ifname``, or ``None`` if it has none (or does not exist).
 
-    Args:
-        ifname: Interface name.
-
-    Returns:
-        The address.
-
     Example:
         >>> ipv4_of("lo")
         '127.0.0.1'
     """
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            packed = fcntl.ioctl(
-                sock.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15])
-            )
+            request = struct.pack("256s", ifname.encode()[:15])
+            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
         except OSError:
             return None
     return socket.inet_ntoa(packed[20:24])
 
 
-def _ipv6_addresses() -> dict[str, str]:
-    found: dict[str, str] = {}
-    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as table:
-        for line in table:
-            fields = line.split()
-            address = str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))
-            found[address] = fields[-1]
-    return found
-
-
 def _interface_with_address(address: str) -> str | None:
-    if ipaddress.ip_address(address).version == 6:
-        return _ipv6_addresses().get(address)
-    for _, ifname in socket.if_nameindex():
-        if ipv4_of(ifname) == address:
-            return ifname
+    if ipaddress.ip_address(address).version == 4:
+        return next((name for _, name in socket.if_nameindex() if ipv4_of(name) == address), None)
+    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as table:
+        for fields in map(str.split, table):
+            if str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))) == address:
+                return fields[-1]
     return None
 
 
@@ -124,38 +98,21 @@ def _route_source(address: str) -> str:
 
 
 def default_route_interface() -> str | None:
-    """The interface of the IPv4 default route (``/proc/net/route``), if there is one.
-
-    Returns:
-        The interface name, or ``None``.
-    """
-    try:
-        with open("/proc/net/route") as table:
-            rows = [line.split() for line in table.readlines()[1:]]
-    except OSError:
-        return None
-    for row in rows:
-        if len(row) > 7 and row[1] == "00000000" and row[7] == "00000000":
-            return row[0]
+    """The interface of the IPv4 default route (``/proc/net/route``), if there is one."""
+    with contextlib.suppress(OSError), open("/proc/net/route") as table:
+        for row in map(str.split, table.readlines()[1:]):
+            if len(row) > 7 and row[1] == "00000000" and row[7] == "00000000":
+                return row[0]
     return None
 
 
 def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
-    """Pick the interface to listen on for a job whose master is ``master_addr``.
+    """Pick the interface to listen on for a job whose rank 0 is at ``master_addr``.
 
-    Args:
-        master_addr: Host name or address of rank 0 (``MASTER_ADDR``).
-        multi_node: Whether the job spans several nodes (``LOCAL_WORLD_SIZE < WORLD_SIZE``).
-            On the master node of such a job, ``MASTER_ADDR`` is often its own host name,
-            which resolves to a loopback address (``127.0.1.1`` on Debian); listening there
-            would lock the other nodes out, so the default route's interface is used instead.
-
-    Returns:
-        The binding: loopback when the master is a loopback address of a single-node job,
-        else the interface that routes to the master.
-
-    Raises:
-        ValueError: The address does not resolve, or no interface holds the route's address.
+    Loopback for a loopback master of a single-node job, else the interface that routes to the
+    master. On the master node of a ``multi_node`` job ``MASTER_ADDR`` often resolves to a
+    loopback address (``127.0.1.1`` on Debian), which would lock the other nodes out: the
+    default route's interface is used instead. ``ValueError`` when no interface fits.
 
     Example:
         >>> choose_binding("127.0.0.1").loopback
@@ -185,18 +142,8 @@ def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
 
 
 def user_binding() -> Binding | None:
-    """The binding the user chose with ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``, if both set.
-
-    User-set values always win, so metadist does not second-guess (or fail on) them.
-
-    Returns:
-        The user's interface and its IPv4 address (``"unknown"`` if it has none), or ``None``
-        when either variable is unset.
-
-    Example:
-        >>> import os
-        >>> user_binding() if "TP_SOCKET_IFNAME" not in os.environ else None
-    """
+    """The interface the user set in both ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` (it
+    always wins), with its IPv4 address or ``"unknown"``; ``None`` unless both are set."""
     tp = os.environ.get("TP_SOCKET_IFNAME")
     if not tp or not os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
@@ -207,18 +154,8 @@ def user_binding() -> Binding | None:
 
 @contextlib.contextmanager
 def socket_ifname_env(ifname: str) -> Iterator[None]:
-    """Set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` to ``ifname`` where the user has not.
-
-    Torch reads them while RPC starts; they are restored afterwards so that nothing else in the
-    process (or its children) inherits metadist's choice.
-
-    Args:
-        ifname: Interface name.
-
-    Example:
-        >>> with socket_ifname_env("lo"):
-        ...     pass
-    """
+    """Set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` to ``ifname`` where the user has not,
+    while RPC starts: nothing else in the process (or its children) inherits the choice."""
     saved = {name: os.environ.get(name) for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
     for name, value in saved.items():
         if not value:  # user-set values always win
@@ -282,24 +219,15 @@ def _elastic_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]
     yield PrefixStore(f"metadist/attempt_{attempt}", store), rank, world_size
 
 
-_installed = False
+_HANDLERS = {
+    LOCAL_SCHEME: _local_handler,
+    LOOPBACK_SCHEME: _loopback_handler,
+    ELASTIC_SCHEME: _elastic_handler,
+}
 
 
 def install_rendezvous_handlers() -> None:
-    """Register metadist's ``metadist-local://``, ``-loopback://`` and ``-elastic://`` schemes.
-
-    Example:
-        >>> install_rendezvous_handlers()
-    """
-    global _installed
-    if _installed:
-        return
-    handlers = (
-        (LOCAL_SCHEME, _local_handler),
-        (LOOPBACK_SCHEME, _loopback_handler),
-        (ELASTIC_SCHEME, _elastic_handler),
-    )
-    for scheme, handler in handlers:
-        with contextlib.suppress(RuntimeError):  # already registered by an earlier import
+    """Register the ``metadist-local://``, ``-loopback://`` and ``-elastic://`` schemes."""
+    for scheme, handler in _HANDLERS.items():
+        with contextlib.suppress(RuntimeError):  # registered already
             register_rendezvous_handler(scheme, handler)
-    _installed = True

@@ -4,6 +4,9 @@
 ``fn(rank, world_size, *args)`` inside :func:`metadist.auto_init_rpc`. A child's exception fails
 the test with the child's traceback; a world that outlives ``timeout`` is killed.
 
+``skip_or_fail(reason)`` is how a test says it cannot run here: a skip on a developer's machine,
+a failure under CI (``CI=true``), where a skip would read as a pass.
+
 ``run_scenarios(scenarios, world_size)`` starts one world for many checks: rank 0 runs every
 scenario in turn (the other ranks serve its calls) and records each one's traceback, so that a
 module-scoped fixture can report every scenario under its own test id (:class:`Scenarios`).
@@ -23,14 +26,28 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import pytest
 import torch.multiprocessing as mp
 
 import metadist
 from metadist.network import free_loopback_port
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def in_ci() -> bool:
+    """Whether the tests run in CI (``CI=true``, as CI services and .ci/run set it)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip the test, saying why; under CI fail instead: there, everything must run."""
+    __tracebackhide__ = True  # report the test that cannot run, not this helper
+    if in_ci():
+        pytest.fail(f"CI=true, and this test cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def _child(

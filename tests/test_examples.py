@@ -4,6 +4,7 @@ under torchrun, including a worker killed under ``torchrun --max-restarts``."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -43,17 +44,21 @@ def _params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 
 
 def test_sinusoid_tasks_follow_the_paper_ranges() -> None:
-    b = maml_data.sample_sinusoid(np.random.default_rng(0), 200, 10, 7)
-    assert b.x_spt.shape == (200, 10, 1)
-    assert b.y_qry.shape == (200, 7, 1)
-    assert b.amplitude.min() >= 0.1
-    assert b.amplitude.max() <= 5.0
-    assert b.phase.min() >= 0.0
-    assert b.phase.max() <= np.pi
-    assert b.x_spt.min() >= -5.0
-    assert b.x_qry.max() <= 5.0
-    want = b.amplitude[:, None, None] * torch.sin(b.x_qry - b.phase[:, None, None])
-    torch.testing.assert_close(b.y_qry, want, rtol=1e-5, atol=1e-5)
+    x_spt, y_spt, x_qry, y_qry = sinusoid.sample_tasks(np.random.default_rng(0), 200, 10, 7)
+    assert x_spt.shape == y_spt.shape == (200, 10, 1)
+    assert x_qry.shape == y_qry.shape == (200, 7, 1)
+    # The same draws, in the sampler's order: amplitude, phase, then the points.
+    rng = np.random.default_rng(0)
+    amplitude = torch.from_numpy(rng.uniform(0.1, 5.0, (200, 1, 1))).float()
+    phase = torch.from_numpy(rng.uniform(0.0, np.pi, (200, 1, 1))).float()
+    assert amplitude.min() >= 0.1
+    assert amplitude.max() <= 5.0
+    assert phase.min() >= 0.0
+    assert phase.max() <= np.pi
+    assert x_spt.min() >= -5.0
+    assert x_qry.max() <= 5.0
+    for x, y in ((x_spt, y_spt), (x_qry, y_qry)):
+        torch.testing.assert_close(y, amplitude * torch.sin(x - phase), rtol=1e-5, atol=1e-5)
 
 
 def test_glyphs_are_seeded_split_and_class_consistent() -> None:
@@ -96,35 +101,42 @@ def test_digits_split_by_class() -> None:
         maml_data.DigitsDataset(train_classes=tuple(range(10)))
 
 
-def test_vmap_and_loop_meta_gradients_agree_with_autograd() -> None:
+def test_meta_gradients_agree_with_hand_written_second_order_maml() -> None:
+    # sinusoid.py's meta-loss (vmap over its own inner loop) and maml.py's meta_objective (vmap,
+    # or a loop), against torch.autograd.grad(create_graph=True) written out task by task.
     torch.manual_seed(0)
-    net = models.SineMLP()
-    b = maml_data.sample_sinusoid(np.random.default_rng(1), 6)
-    args = (b.x_spt, b.y_spt, b.x_qry, b.y_qry, F.mse_loss)
-    grads = []
-    for vectorize in (True, False):
-        loss, _ = maml.meta_objective(net, *args, steps=2, lr=0.01, vectorize=vectorize)
-        grads.append(torch.autograd.grad(loss, list(net.parameters())))
-    # Hand-written second-order MAML with torch.autograd.grad(create_graph=True).
+    net = sinusoid.SineMLP()
+    x_spt, y_spt, x_qry, y_qry = tasks = sinusoid.sample_tasks(np.random.default_rng(1), 6)
+    args = (*tasks, F.mse_loss)
+    plain_meta_loss = inspect.unwrap(sinusoid.meta_loss)  # without metadist: no RPC here
+    losses = [
+        maml.meta_objective(net, *args, steps=2, lr=0.01, vectorize=vectorize)[0]
+        for vectorize in (True, False)
+    ]
+    losses.append(plain_meta_loss(net, *tasks, inner_lr=0.01, inner_steps=2, first_order=False))
+    grads = [torch.autograd.grad(loss, list(net.parameters())) for loss in losses]
     params = list(net.parameters())
+    names = [n for n, _ in net.named_parameters()]
     total = 0.0
     for t in range(6):
         fast = params
         for _ in range(2):
-            names = [n for n, _ in net.named_parameters()]
-            out = torch.func.functional_call(net, dict(zip(names, fast, strict=True)), b.x_spt[t])
-            g = torch.autograd.grad(F.mse_loss(out, b.y_spt[t]), fast, create_graph=True)
+            out = torch.func.functional_call(net, dict(zip(names, fast, strict=True)), x_spt[t])
+            g = torch.autograd.grad(F.mse_loss(out, y_spt[t]), fast, create_graph=True)
             fast = [p - 0.01 * gi for p, gi in zip(fast, g, strict=True)]
-        out = torch.func.functional_call(net, dict(zip(names, fast, strict=True)), b.x_qry[t])
-        total = total + F.mse_loss(out, b.y_qry[t]) / 6
+        out = torch.func.functional_call(net, dict(zip(names, fast, strict=True)), x_qry[t])
+        total = total + F.mse_loss(out, y_qry[t]) / 6
     want = torch.autograd.grad(total, params)
     for got in grads:
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     # First order differs from second order (the second-order terms are really there).
-    loss, _ = maml.meta_objective(net, *args, steps=2, lr=0.01, first_order=True)
-    fo = torch.autograd.grad(loss, list(net.parameters()))
-    assert not all(torch.allclose(a, b) for a, b in zip(fo, want, strict=True))
+    for loss in (
+        maml.meta_objective(net, *args, steps=2, lr=0.01, first_order=True)[0],
+        plain_meta_loss(net, *tasks, inner_lr=0.01, inner_steps=2, first_order=True),
+    ):
+        fo = torch.autograd.grad(loss, list(net.parameters()))
+        assert not all(torch.allclose(a, b) for a, b in zip(fo, want, strict=True))
 
 
 def test_checkpoint_round_trip_restores_sampler(tmp_path: Path) -> None:
@@ -152,7 +164,7 @@ def test_checkpoint_round_trip_restores_sampler(tmp_path: Path) -> None:
 
 
 def test_auto_resume_takes_the_newest_checkpoint_that_loads(tmp_path: Path) -> None:
-    net = models.SineMLP(hidden=4)
+    net = sinusoid.SineMLP(hidden=4)
     opt = torch.optim.Adam(net.parameters())
     rng = np.random.default_rng(0)
     for step in (100, 200):

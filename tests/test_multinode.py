@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _dist import REPO
+from _dist import REPO, skip_or_fail
 
 SCRIPT = REPO / "tests" / "scripts" / "multinode_worker.py"
 MASTER, PEER = "198.51.100.1", "198.51.100.2"
@@ -31,22 +31,22 @@ def _ip(*args: str) -> None:
 
 
 def _setup(*args: str) -> None:
-    """One step of building the namespaces; a machine that forbids it skips the test."""
+    """One step of building the namespaces; a machine that forbids it skips (CI: fails)."""
     try:
         _ip(*args)
     except (subprocess.CalledProcessError, OSError) as error:
         why = getattr(error, "stderr", None) or error
-        pytest.skip(f"cannot build network namespaces here: `ip {' '.join(args)}`: {why}")
+        skip_or_fail(f"cannot build network namespaces here: `ip {' '.join(args)}`: {why}")
 
 
 @pytest.fixture
 def two_hosts() -> Iterator[tuple[str, str]]:
     if shutil.which("ip") is None:
-        pytest.skip("iproute2's `ip` is not installed: cannot build network namespaces")
+        skip_or_fail("iproute2's `ip` is not installed: cannot build network namespaces")
     tag = uuid.uuid4().hex[:6]
     hosts = (f"md{tag}a", f"md{tag}b")
     links = (f"md{tag}x", f"md{tag}y")
-    # pytest.skip inside the try still runs the cleanup in finally.
+    # skip_or_fail inside the try still runs the cleanup in finally.
     try:
         for host in hosts:
             _setup("netns", "add", host)
@@ -66,7 +66,7 @@ def two_hosts() -> Iterator[tuple[str, str]]:
                     f"127.0.0.1 localhost\n{master} {MASTER_NAME} {SLURM_MASTER_NODE}\n"
                 )
             except OSError as error:
-                pytest.skip(f"cannot give the namespaces their own /etc/hosts: {error}")
+                skip_or_fail(f"cannot give the namespaces their own /etc/hosts: {error}")
         # `ip netns exec` mounts sysfs and the hosts file: rootless runners may refuse.
         _setup("netns", "exec", hosts[0], "true")
         yield hosts

@@ -264,3 +264,15 @@ def test_unknown_worker_error_names_the_workers_entry():
         ValueError, match=r"dim_partitioner: workers\[1\]=1000000: unknown worker id 1000000: known"
     ):
         part(torch.zeros(4))
+
+
+def test_argument_paths_name_leaves_as_the_user_wrote_them() -> None:
+    from metadist._pytree import argument_path, tree_flatten_with_path
+
+    pairs, _ = tree_flatten_with_path(((torch.ones(1), {"x": [1, 2]}), {"lr": 0.1}))
+    assert [argument_path(path) for path, _ in pairs] == [
+        "args[0]",
+        "args[1]['x'][0]",
+        "args[1]['x'][1]",
+        "kwargs['lr']",
+    ]

@@ -64,14 +64,17 @@ def records_match_the_calls(world_size: int) -> None:
 
 def nothing_is_recorded_when_off(world_size: int) -> None:
     assert timeline.active() is None
-    md.remote_sync_call(double, args=(torch.ones(3),))
-    with (
-        timeline.record() as tl,
-        pytest.raises(RuntimeError, match="already being recorded"),
-        timeline.record(),
-    ):
-        pass
-    assert tl.partitions == []
+    md.remote_sync_call(double, args=(torch.ones(3),))  # before recording: nowhere
+    with timeline.record() as tl:
+        with pytest.raises(RuntimeError, match="already being recorded"), timeline.record():
+            pass
+        assert tl.partitions == []  # the call before the block is not in it
+        md.remote_sync_call(double, args=(torch.ones(3),))  # this one is
+    recorded = sorted((p.call, p.partition) for p in tl.partitions)
+    assert recorded == [(0, i) for i in range(world_size)]  # one call, a partition per worker
+    assert timeline.active() is None
+    md.remote_sync_call(double, args=(torch.ones(3),))  # after the block: off again
+    assert len(tl.partitions) == world_size
 
 
 def progress_bar_is_quiet_off_a_terminal(world_size: int) -> None:

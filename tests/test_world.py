@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch.distributed.rpc as rpc
+from _bad_input import Row, table_test
 from _dist import REPO, non_loopback_listeners, run_command, run_torchrun, run_world
 
 import metadist
-from metadist import network
 from metadist.world import default_worker_name_format
 
 TORCHRUN_ENV = (
@@ -194,41 +194,6 @@ def test_rank_selectors_reject_bad_ranks(
         factory(*ranks)  # type: ignore[operator]
 
 
-def test_listening_interface_and_rendezvous(clean_env: pytest.MonkeyPatch) -> None:
-    # Which interface a launch listens on, decided before RPC starts (no RPC needed).
-    from metadist.launch import _listener_and_rendezvous
-    from metadist.world import read_launch_environment
-
-    for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        clean_env.delenv(name, raising=False)
-    multi = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    for name, value in {**multi, "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "1"}.items():
-        clean_env.setenv(name, value)
-    launch = read_launch_environment()
-    with pytest.raises(ValueError, match=r"MASTER_ADDR='no-such-host.invalid' does not resolve"):
-        _listener_and_rendezvous(launch, 60.0)
-    # User-set interfaces always win: metadist neither second-guesses nor fails on them.
-    clean_env.setenv("TP_SOCKET_IFNAME", "lo")
-    clean_env.setenv("GLOO_SOCKET_IFNAME", "lo")
-    binding, _ = _listener_and_rendezvous(launch, 60.0)
-    assert (binding.ifname, binding.address) == ("lo", "127.0.0.1")
-    # One node, whatever MASTER_ADDR names: loopback, served by metadist's loopback store.
-    clean_env.delenv("TP_SOCKET_IFNAME")
-    clean_env.delenv("GLOO_SOCKET_IFNAME")
-    clean_env.setenv("LOCAL_WORLD_SIZE", "4")
-    binding, url = _listener_and_rendezvous(read_launch_environment(), 60.0)
-    assert binding.loopback
-    assert binding.ifname == "lo"
-    assert url.startswith("metadist-loopback://127.0.0.1:1?")
-
-
-def test_auto_init_rpc_rejects_non_callables() -> None:
-    with pytest.raises(TypeError, match="worker_init_fn must be callable or None, got 3"):
-        metadist.auto_init_rpc(3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="worker_name_format must be callable"):
-        metadist.auto_init_rpc(None, "worker{rank}")  # type: ignore[arg-type]
-
-
 # ---------------------------------------------------------------------------------------------
 # A world of 1 in this process (what `python script.py` gives)
 
@@ -323,7 +288,9 @@ def run_world_checks(rank: int, world_size: int) -> None:
     )
     info = metadist.get_world_info()
     assert info == metadist.WorldInfo(rank, world_size, rank, world_size)
-    assert info.worker_name == names[rank]
+    # A value type reads nothing global: its name is the default format's, the world's is custom.
+    assert info.worker_name == default_worker_name_format(*info)
+    assert metadist.get_worker_name() == names[rank] != info.worker_name
     assert metadist.get_worker_id(names[2]) == 2
     assert metadist.get_worker_id(1) == 1
     with pytest.raises(ValueError, match=r"unknown worker id 3: known workers are 0='trainer-0"):
@@ -411,36 +378,47 @@ def test_readme_quickstart_under_torchrun(tmp_path: os.PathLike[str]) -> None:
     assert re.search(r"^mean loss \S+ on 1 worker$", alone.stdout, re.M), alone.stdout
 
 
-def test_license_is_an_spdx_expression() -> None:
-    # A table ({text = ...}) makes setuptools print deprecation boxes on every install.
-    pyproject = (REPO / "pyproject.toml").read_text()
-    assert re.search(r'^license = "Apache-2\.0"$', pyproject, re.M), "license must be SPDX"
+# ---------------------------------------------------------------------------------------------
+# Bad input, in a spawned world of 3: it fails before any request, naming the argument
 
 
-@pytest.mark.timeout(120)
-def test_single_node_torchrun_listens_on_loopback_whatever_master_addr_is() -> None:
-    # torchrun --standalone sets MASTER_ADDR to the host's FQDN, which on many machines resolves
-    # to a LAN address; a single-node job must still keep RPC off the network.
-    ifname = network.default_route_interface()
-    lan = network.ipv4_of(ifname) if ifname is not None else None
-    if lan is None:
-        pytest.skip("this machine has no non-loopback IPv4 address to use as MASTER_ADDR")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        f"--master_addr={lan}",
-        f"--master_port={network.free_loopback_port()}",
-        str(REPO / "tests" / "scripts" / "multinode_worker.py"),
-    ]
-    result = run_command(
-        command, timeout=100, env={"PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
-    )
-    assert result.returncode == 0, result.stderr
-    assert "ROUNDTRIP OK peer=worker1" in result.stdout, result.stdout
-    peer = result.stdout.split("peer_listens=")[1].splitlines()[0]
-    mine = result.stdout.split("SELF listens=")[1].splitlines()[0]
-    assert peer == mine == "['127.0.0.1']", result.stdout
-    assert "listens for RPC on interface" not in result.stderr, result.stderr
+ROWS = [
+    Row("get_worker_id float", lambda fx: metadist.get_worker_id(1.5), TypeError, r"worker id"),  # type: ignore[arg-type]
+    Row("get_worker_id bool", lambda fx: metadist.get_worker_id(True), TypeError, r"worker id"),
+    Row("get_worker_id rank", lambda fx: metadist.get_worker_id(3), ValueError, r"worker id 3"),
+    Row("get_worker_id -1", lambda fx: metadist.get_worker_id(-1), ValueError, r"worker id -1"),
+    Row(
+        "get_worker_name name",
+        lambda fx: metadist.get_worker_name("ghost"),
+        ValueError,
+        r"worker name 'ghost'.*known workers",
+    ),
+    Row("barrier str", lambda fx: metadist.barrier("worker0"), TypeError, r"worker_names.*list"),
+    Row("barrier empty", lambda fx: metadist.barrier([]), ValueError, r"worker_names"),
+    Row("barrier unknown", lambda fx: metadist.barrier([0, 7]), ValueError, r"worker id 7"),
+    Row("barrier not self", lambda fx: metadist.barrier([1, 2]), ValueError, r"worker_names"),
+    Row("barrier timeout", lambda fx: metadist.barrier(timeout=-1), ValueError, r"timeout"),
+    Row(
+        "barrier timeout str",
+        lambda fx: metadist.barrier(timeout="x"),  # type: ignore[arg-type]
+        TypeError,
+        r"timeout.*'x'",
+    ),
+    Row(
+        "on_rank not callable",
+        lambda fx: metadist.on_rank(0)(3),  # type: ignore[arg-type]
+        TypeError,
+        r"on_rank: expected a function to decorate, got 3",
+    ),
+    Row(
+        "rank_zero_only not callable",
+        lambda fx: metadist.rank_zero_only("save"),  # type: ignore[arg-type]
+        TypeError,
+        r"rank_zero_only: expected a function.*'save'",
+    ),
+    Row("on_rank none", lambda fx: metadist.on_rank(), ValueError, r"on_rank.*rank"),
+    Row("on_rank negative", lambda fx: metadist.on_rank(-1), ValueError, r"ranks.*-1"),
+]
+
+
+test_bad_call_fails_fast_and_names_the_argument = table_test(__name__, ROWS)

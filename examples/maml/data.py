@@ -1,7 +1,8 @@
-"""Offline task sources of the MAML examples: sinusoid regression, glyphs and digits.
+"""Offline task sources of the few-shot example: generated glyphs and scikit-learn's digits.
 
 Everything here is generated or bundled (no downloads), seeded, and sampled with an explicit
-``numpy.random.Generator`` so a checkpoint can store the sampler's exact state.
+``numpy.random.Generator`` so a checkpoint can store the sampler's exact state. (The sinusoid
+tasks are a few lines of ``sinusoid.py``.)
 """
 
 from __future__ import annotations
@@ -16,67 +17,10 @@ __all__ = [
     "DigitsDataset",
     "FewShotBatch",
     "GlyphDataset",
-    "SinusoidBatch",
     "sample_fewshot",
-    "sample_sinusoid",
 ]
 
 IMAGE_SIZE = 28
-
-
-@dataclass(frozen=True)
-class SinusoidBatch:
-    """A batch of sinusoid tasks; tensors have a leading task dimension ``T``.
-
-    Attributes:
-        x_spt: ``(T, K, 1)`` support inputs.
-        y_spt: ``(T, K, 1)`` support targets.
-        x_qry: ``(T, Q, 1)`` query inputs.
-        y_qry: ``(T, Q, 1)`` query targets.
-        amplitude: ``(T,)`` task amplitudes A.
-        phase: ``(T,)`` task phases phi.
-    """
-
-    x_spt: Tensor
-    y_spt: Tensor
-    x_qry: Tensor
-    y_qry: Tensor
-    amplitude: Tensor
-    phase: Tensor
-
-
-def sample_sinusoid(
-    rng: np.random.Generator, n_tasks: int, k_support: int = 10, k_query: int = 10
-) -> SinusoidBatch:
-    """Sample tasks ``y = A sin(x - phi)``, A ~ U[0.1, 5], phi ~ U[0, pi], x ~ U[-5, 5].
-
-    Args:
-        rng: Source of randomness (advanced in place).
-        n_tasks: Number of tasks ``T``.
-        k_support: Support points per task.
-        k_query: Query points per task.
-
-    Returns:
-        The batch, as float32 tensors.
-
-    Example:
-        >>> b = sample_sinusoid(np.random.default_rng(0), 3)
-        >>> tuple(b.x_spt.shape), tuple(b.y_qry.shape)
-        ((3, 10, 1), (3, 10, 1))
-    """
-    amp = rng.uniform(0.1, 5.0, size=(n_tasks, 1, 1))
-    phase = rng.uniform(0.0, np.pi, size=(n_tasks, 1, 1))
-    x = rng.uniform(-5.0, 5.0, size=(n_tasks, k_support + k_query, 1))
-    y = amp * np.sin(x - phase)
-    t = {k: torch.from_numpy(v.astype(np.float32)) for k, v in {"x": x, "y": y}.items()}
-    return SinusoidBatch(
-        x_spt=t["x"][:, :k_support],
-        y_spt=t["y"][:, :k_support],
-        x_qry=t["x"][:, k_support:],
-        y_qry=t["y"][:, k_support:],
-        amplitude=torch.from_numpy(amp.reshape(-1).astype(np.float32)),
-        phase=torch.from_numpy(phase.reshape(-1).astype(np.float32)),
-    )
 
 
 def _render(curves: np.ndarray, width: np.ndarray) -> np.ndarray:

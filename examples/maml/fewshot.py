@@ -31,41 +31,10 @@ from training import HelpFormatter, add_training_args, launch, meta_train
 
 import metadist
 
-__all__ = [
-    "build_parser",
-    "evaluate",
-    "main",
-    "make_dataset",
-    "meta_loss",
-    "parse_args",
-    "task_accuracy",
-    "train",
-]
 
-
-def build_parser() -> argparse.ArgumentParser:
-    """Command-line options (defaults: 5-way 1-shot with a short schedule)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    add_training_args(
-        p, steps=300, tasks=8, hidden=64, inner_lr=0.4, meta_lr=1e-3, eval_tasks=200,
-        save_every=50, out="runs/fewshot", hidden_help="filters per conv layer",
-    )  # fmt: skip
-    p.add_argument(
-        "--dataset", choices=("glyphs", "digits"), default="glyphs",
-        help="generated Omniglot-like glyphs, or scikit-learn's digits",
-    )  # fmt: skip
-    p.add_argument("--ways", type=int, default=5, help="N: classes per task")
-    p.add_argument("--shots", type=int, default=1, help="K: support images per class")
-    p.add_argument("--query", type=int, default=5, help="query images per class")
-    p.add_argument("--test-inner-steps", type=int, default=3, help="adaptation steps at test")
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv`` (default: the command line)."""
-    return build_parser().parse_args(argv)
-
-
+# -- The meta-loss, parallel over tasks: metadist splits the task dimension over the workers; each
+# adapts its tasks (maml.py's inner loop, looped: on CPU that beats vmap for conv nets) and the
+# mean loss and accuracy come back to rank 0 with their graph.
 @metadist.parallelize(partitioner=metadist.dim_partitioner(0), reducer=metadist.mean_reducer)
 def meta_loss(
     model: nn.Module,
@@ -86,6 +55,27 @@ def meta_loss(
     )  # fmt: skip
 
 
+# -- The training step. metadist: today the meta-gradient comes back from the workers through a
+# distributed-autograd context; once metadist's remote calls join local autograd this whole
+# function is `loss, acc = meta_loss(...); loss.backward()`, as --plain already does.
+def meta_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, ...],
+    args: argparse.Namespace,
+) -> list[float]:  # fmt: skip
+    hyper = {k: getattr(args, k) for k in ("inner_lr", "inner_steps", "first_order")}
+    optimizer.zero_grad()
+    if args.plain:
+        loss, acc = inspect.unwrap(meta_loss)(model, *batch, **hyper)  # the same, unsplit
+        loss.backward()
+    else:
+        with metadist.autograd.context() as ctx:
+            loss, acc = meta_loss(model, *batch, **hyper)
+            metadist.autograd.backward(ctx, [loss])
+    optimizer.step()
+    return [loss.item(), acc.item()]
+
+
+# -- The result: meta-test accuracy on episodes of held-out classes, adapted on each worker.
 @metadist.parallelize(partitioner=metadist.dim_partitioner(0), reducer=metadist.cat_reducer)
 def task_accuracy(
     model: nn.Module,
@@ -144,7 +134,7 @@ def train(args: argparse.Namespace) -> None:
         return b.x_spt, b.y_spt, b.x_qry, b.y_qry
 
     model, summary = meta_train(
-        args, lambda: ConvNet(n_way=args.ways, hidden=args.hidden), meta_loss, sample,
+        args, lambda: ConvNet(n_way=args.ways, hidden=args.hidden), meta_step, sample,
         series=("query loss", "query accuracy"),
         title=f"MAML {args.ways}-way {args.shots}-shot ({args.dataset}), {args.tasks} tasks/step",
     )  # fmt: skip
@@ -159,9 +149,27 @@ def train(args: argparse.Namespace) -> None:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options (defaults: 5-way 1-shot with a short schedule)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    add_training_args(
+        p, steps=300, tasks=8, hidden=64, inner_lr=0.4, meta_lr=1e-3, eval_tasks=200,
+        save_every=50, out="runs/fewshot", hidden_help="filters per conv layer",
+    )  # fmt: skip
+    p.add_argument(
+        "--dataset", choices=("glyphs", "digits"), default="glyphs",
+        help="generated Omniglot-like glyphs, or scikit-learn's digits",
+    )  # fmt: skip
+    p.add_argument("--ways", type=int, default=5, help="N: classes per task")
+    p.add_argument("--shots", type=int, default=1, help="K: support images per class")
+    p.add_argument("--query", type=int, default=5, help="query images per class")
+    p.add_argument("--test-inner-steps", type=int, default=3, help="adaptation steps at test")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point on every worker: rank 0 trains, the others serve remote calls."""
-    launch(train, parse_args(argv))
+    launch(train, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

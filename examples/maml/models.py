@@ -1,34 +1,11 @@
-"""Networks of the MAML examples: the sinusoid MLP and the 4-block few-shot conv net."""
+"""The 4-block conv net of the few-shot example (the sinusoid MLP is in ``sinusoid.py``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["ConvNet", "SineMLP"]
-
-
-class SineMLP(nn.Module):
-    """The 1-40-40-1 ReLU regressor of Finn et al. (2017), section 5.1.
-
-    Example:
-        >>> SineMLP()(torch.zeros(3, 1)).shape
-        torch.Size([3, 1])
-    """
-
-    def __init__(self, hidden: int = 40) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(1, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, 1),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Map inputs of shape ``(..., 1)`` to predictions of the same shape."""
-        return self.net(x)  # type: ignore[no-any-return]
+__all__ = ["ConvNet"]
 
 
 def _block(in_channels: int, out_channels: int) -> nn.Sequential:

@@ -1,9 +1,9 @@
-"""What the MAML examples share besides the algorithm: options, the training loop, checkpoints.
+"""What the MAML examples share besides the algorithm: options, the loop's bookkeeping, checkpoints.
 
-The loop runs on rank 0 (the other workers serve its ``meta_loss`` calls), or with ``--plain``
-in one process without metadist: the same function, undecorated, and ``loss.backward()``, as
-the baseline a parallel run has to beat. Checkpoints are written atomically and hold
-everything a bit-exact continuation needs, so that a job restarted by
+The examples hold the program (model, tasks, meta-loss, ``meta_step``); ``meta_train`` runs their
+step on rank 0 (the other workers serve its ``meta_loss`` calls), or with ``--plain`` in one
+process without metadist, the baseline a parallel run has to beat. Checkpoints are written
+atomically and hold everything a bit-exact continuation needs, so that a job restarted by
 ``torchrun --max-restarts=N`` picks up from the newest one (``--resume auto``, the default).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import io
 import os
 import random
@@ -24,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 from tqdm import tqdm
 
 import metadist
@@ -259,8 +258,8 @@ def _check_same_run(path: Path, args: argparse.Namespace) -> None:
 def meta_train(
     args: argparse.Namespace,
     build_model: Callable[[], nn.Module],
-    meta_loss: Callable[..., Tensor | tuple[Tensor, ...]],
-    sample: Callable[[np.random.Generator], Sequence[Tensor]],
+    meta_step: Callable[[nn.Module, torch.optim.Optimizer, Any, argparse.Namespace], list[float]],
+    sample: Callable[[np.random.Generator], Any],
     *,
     series: Sequence[str],
     title: str,
@@ -268,9 +267,9 @@ def meta_train(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Meta-train with Adam; return the model and a summary (printed, and saved by the caller).
 
-    Each step calls ``meta_loss(model, *sample(rng), inner_lr=, inner_steps=, first_order=)``,
-    a function decorated with ``metadist.parallelize``; its first value is the loss that is
-    differentiated, and every value is recorded under the matching name of ``series``.
+    Each step is the example's ``meta_step(model, optimizer, sample(rng), args)``; the values it
+    returns are recorded under the matching names of ``series``. Around it: seeding, resuming,
+    checkpoints, the progress bar, timing and the learning curve.
     """
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -297,27 +296,6 @@ def meta_train(
             for _, old in _numbered(args.out)[args.keep :]:
                 old.unlink()
 
-    kwargs = {
-        "inner_lr": args.inner_lr,
-        "inner_steps": args.inner_steps,
-        "first_order": args.first_order,
-    }
-    plain = inspect.unwrap(meta_loss)  # the same function, without metadist
-
-    def meta_step(batch: Sequence[Tensor]) -> list[float]:
-        meta_opt.zero_grad()
-        if args.plain:
-            values = plain(model, *batch, **kwargs)
-            values = values if isinstance(values, tuple) else (values,)
-            values[0].backward()
-        else:
-            with metadist.autograd.context() as ctx:
-                values = meta_loss(model, *batch, **kwargs)
-                values = values if isinstance(values, tuple) else (values,)
-                metadist.autograd.backward(ctx, [values[0]])
-        meta_opt.step()
-        return [v.item() for v in values]
-
     workers = 1 if args.plain else metadist.get_world_size()
     mode = "plain torch" if args.plain else f"metadist x{workers}"
     step_seconds = []
@@ -325,7 +303,7 @@ def meta_train(
     began = time.perf_counter()
     for step in bar:
         tick = time.perf_counter()
-        values = meta_step(sample(rng))
+        values = meta_step(model, meta_opt, sample(rng), args)
         step_seconds.append(time.perf_counter() - tick)
         for name, value in zip(series, values, strict=True):
             history[name].append(value)

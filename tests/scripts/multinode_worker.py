@@ -1,6 +1,6 @@
 """One worker of a job started by a test as a launcher would (torchrun, srun or mpirun).
 
-tests/test_multinode.py runs it in two network namespaces; tests/test_launchers.py runs it
+tests/test_multinode.py runs it in two network namespaces; tests/test_launch.py runs it
 with only SLURM's or Open MPI's variables. Every worker prints what metadist made of them.
 """
 

@@ -1,6 +1,9 @@
-"""Launching without torchrun: ``srun`` (SLURM) and ``mpirun`` (Open MPI) environments.
+"""metadist.launch: how a process joins a world, from the launcher's environment to shutdown.
 
+Launcher environments (torchrun, ``srun``, ``mpirun``, plain python), the master's address, the
+interface and rendezvous a launch chooses, process tuning and the entry decorator's arguments.
 No SLURM or MPI is needed: the tests start processes with the variables those launchers set.
+Shutdown liveness (dead and hung peers) is in test_faults.py.
 """
 
 from __future__ import annotations
@@ -13,13 +16,20 @@ import subprocess
 import sys
 
 import pytest
-from _dist import REPO
+from _dist import REPO, run_command, skip_or_fail
 from hypothesis import given
 from hypothesis import strategies as st
 
 import metadist
-from metadist.launch import SLURM_PORT_BASE, expand_hostlist, master_address
-from metadist.world import read_launch_environment, tasks_per_node
+from metadist import network
+from metadist.launch import (
+    SLURM_PORT_BASE,
+    _listener_and_rendezvous,
+    expand_hostlist,
+    master_address,
+    read_launch_environment,
+    tasks_per_node,
+)
 
 SCRIPT = REPO / "tests" / "scripts" / "multinode_worker.py"
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "TP_SOCKET", "GLOO_SOCKET", "TORCHELASTIC_")
@@ -226,6 +236,51 @@ def test_mpirun_without_master_fails_before_starting_rpc(no_launcher: pytest.Mon
 
 
 # ---------------------------------------------------------------------------------------------
+# The entry decorator: what it refuses, and what it chooses before RPC starts
+
+
+def test_listening_interface_and_rendezvous(no_launcher: pytest.MonkeyPatch) -> None:
+    # Which interface a launch listens on, decided before RPC starts (no RPC needed).
+    for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        no_launcher.delenv(name, raising=False)
+    multi = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    for name, value in {**multi, "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "1"}.items():
+        no_launcher.setenv(name, value)
+    launch = read_launch_environment()
+    with pytest.raises(ValueError, match=r"MASTER_ADDR='no-such-host.invalid' does not resolve"):
+        _listener_and_rendezvous(launch, 60.0)
+    # User-set interfaces always win: metadist neither second-guesses nor fails on them.
+    no_launcher.setenv("TP_SOCKET_IFNAME", "lo")
+    no_launcher.setenv("GLOO_SOCKET_IFNAME", "lo")
+    binding, _ = _listener_and_rendezvous(launch, 60.0)
+    assert (binding.ifname, binding.address) == ("lo", "127.0.0.1")
+    # One node, whatever MASTER_ADDR names: loopback, served by metadist's loopback store.
+    no_launcher.delenv("TP_SOCKET_IFNAME")
+    no_launcher.delenv("GLOO_SOCKET_IFNAME")
+    no_launcher.setenv("LOCAL_WORLD_SIZE", "4")
+    binding, url = _listener_and_rendezvous(read_launch_environment(), 60.0)
+    assert binding.loopback
+    assert binding.ifname == "lo"
+    assert url.startswith("metadist-loopback://127.0.0.1:1?")
+
+
+def test_auto_init_rpc_rejects_non_callables() -> None:
+    with pytest.raises(TypeError, match="worker_init_fn must be callable or None, got 3"):
+        metadist.auto_init_rpc(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="worker_name_format must be callable"):
+        metadist.auto_init_rpc(None, "worker{rank}")  # type: ignore[arg-type]
+
+
+def test_malloc_tuning_variable_is_checked_before_rpc_starts(
+    no_launcher: pytest.MonkeyPatch,
+) -> None:
+    no_launcher.setenv("METADIST_MALLOC_ARENA_MAX", "many")
+    with pytest.raises(ValueError, match=r"METADIST_MALLOC_ARENA_MAX='many' must be an integer"):
+        metadist.auto_init_rpc()(metadist.get_world_size)()
+    assert not metadist.world.in_rpc_world()
+
+
+# ---------------------------------------------------------------------------------------------
 # Real processes started with only a launcher's variables
 
 
@@ -307,3 +362,32 @@ def test_two_processes_started_by_mpirun_variables() -> None:
         for r in range(2)
     ]
     _check_single_node_job(_run_job(ranks), 2)
+
+
+@pytest.mark.timeout(120)
+def test_single_node_torchrun_listens_on_loopback_whatever_master_addr_is() -> None:
+    # torchrun --standalone sets MASTER_ADDR to the host's FQDN, which on many machines resolves
+    # to a LAN address; a single-node job must still keep RPC off the network.
+    ifname = network.default_route_interface()
+    lan = network.ipv4_of(ifname) if ifname is not None else None
+    if lan is None:
+        skip_or_fail("this machine has no non-loopback IPv4 address to use as MASTER_ADDR")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        f"--master_addr={lan}",
+        f"--master_port={network.free_loopback_port()}",
+        str(REPO / "tests" / "scripts" / "multinode_worker.py"),
+    ]
+    result = run_command(
+        command, timeout=100, env={"PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ROUNDTRIP OK peer=worker1" in result.stdout, result.stdout
+    peer = result.stdout.split("peer_listens=")[1].splitlines()[0]
+    mine = result.stdout.split("SELF listens=")[1].splitlines()[0]
+    assert peer == mine == "['127.0.0.1']", result.stdout
+    assert "listens for RPC on interface" not in result.stderr, result.stderr
