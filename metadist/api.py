@@ -29,7 +29,13 @@ from torch.futures import Future
 from metadist import autograd, timeline, transport, world
 from metadist import worker as remote_worker
 from metadist._pytree import tree_flatten, tree_unflatten
-from metadist.errors import RemoteError, RemoteFailure
+from metadist.errors import (
+    RemoteError,
+    RemoteFailure,
+    is_timeout,
+    qualified_name,
+    resolve_qualified_name,
+)
 from metadist.partition import batch_partitioner
 from metadist.reduce import PartitionResults, check_sizes
 from metadist.world import get_worker_id, get_worker_name, get_worker_names, require_rpc
@@ -101,10 +107,7 @@ def _resolve_sendable(func: Any) -> Any:
         if original is not None and not isinstance(original, types.FunctionType):
             return _resolve_sendable(original)  # a wrapped builtin or callable: send it as is
         _check_definition(func)
-        module = sys.modules.get(func.__module__)
-        found: Any = module
-        for part in func.__qualname__.split("."):
-            found = getattr(found, part, None)
+        found = resolve_qualified_name(func.__module__, func.__qualname__)
         if found is func or (original is not None and found is original):
             # The name refers to this object (for a parallelize wrapper whose original kept the
             # name, send the original; the worker runs it directly).
@@ -239,7 +242,7 @@ def _rpc_error(
     error: BaseException, index: int, count: int, worker: str, timeout: float
 ) -> BaseException:
     text = str(error)
-    if "timed out" in text.lower() or "timeout" in text.lower():
+    if is_timeout(error):
         if timeout == rpc.constants.UNSET_RPC_TIMEOUT:
             timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
         return _located(
@@ -255,7 +258,7 @@ def _rpc_error(
         f"{type(error).__name__}: {text}",
         worker_name=worker,
         partition_index=index,
-        remote_type=f"{type(error).__module__}.{type(error).__qualname__}",
+        remote_type=qualified_name(type(error)),
     )
 
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from metadist._pytree import (
-    keystr,
+    argument_path,
     tree_flatten,
     tree_flatten_with_path,
     tree_unflatten,
@@ -630,8 +630,7 @@ class _TensorFinder(pickle.Pickler):
 
 def _leaf_name(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> str:
     pairs, _ = tree_flatten_with_path((args, kwargs))
-    path = pairs[index][0]
-    return ("args" if getattr(path[0], "idx", 0) == 0 else "kwargs") + keystr(path[1:])
+    return argument_path(pairs[index][0])
 
 
 def encode(

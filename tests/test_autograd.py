@@ -16,9 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-import io
 import resource
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -619,21 +617,6 @@ def maml_with_a_distributed_inner_loop(world_size: int) -> None:
     same_grads(remote, local, "second-order MAML, remote inner loss")
 
 
-def parallelize_draws_progress(world_size: int) -> None:
-    bar = io.StringIO()
-    stdout, stderr = sys.stdout, sys.stderr
-    tty = type("Tty", (io.StringIO,), {"isatty": lambda self: True})()
-    sys.stdout, sys.stderr = tty, bar
-    try:
-        split = _ByX(md.dim_partitioner(0, exclusive=True))
-        md.parallelize(split, reducer=md.cat_reducer, progress=True)(leaf_loss)(
-            torch.ones(3), torch.ones(6, 3)
-        )
-    finally:
-        sys.stdout, sys.stderr = stdout, stderr
-    assert "6/6" in bar.getvalue(), bar.getvalue()
-
-
 def compressed_calls_are_close(world_size: int) -> None:
     remote, local = pair(11)
     x = torch.randn(12, 1)
@@ -1056,7 +1039,6 @@ SCENARIOS: list[Callable[[int], Any]] = [
     worker_memory_is_flat_over_many_calls,
     gradient_of_a_gradient_through_a_call,
     maml_with_a_distributed_inner_loop,
-    parallelize_draws_progress,
     compressed_calls_are_close,
     no_grad_calls_keep_nothing,
     mixed_partitions_equal_local,

@@ -6,7 +6,7 @@
 * A remote function that raises (a user subclass of ``ValueError``): the caller gets that type
   with worker, partition index and the remote traceback as attributes; a second failing
   partition is named in a note; the error is delivered only once every other partition has
-  finished, so no request is left in flight. (``tests/test_remote.py`` covers the basic type /
+  finished, so no request is left in flight. (``tests/test_api.py`` covers the basic type /
   ``RemoteError`` cases.)
 * Shutdown while calls are in flight: the job's function returns with two calls pending; one
   finishes during shutdown and delivers its result, the other fails with ``TimeoutError``; the
