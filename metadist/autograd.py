@@ -35,7 +35,7 @@ import collections
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -58,12 +58,15 @@ __all__ = ["backward", "context", "get_gradients", "grad"]
 # ------------------------------------------------------------------------------------------------
 # A remote call as a differentiable function (outside distributed autograd contexts)
 #
-# The worker keeps each partition's graph (metadist.worker); on the caller, the call is two
+# The worker keeps each partition's graph (metadist.worker); on the caller, the call is three
 # nodes. ``_Arguments`` is made before the caller's own partitions run, so the engine, which
 # runs the newest ready node first, reaches it after their backward: it waits for the answers
 # and returns the arguments' gradients. ``_Results`` is made when the results arrive, so it runs
 # as soon as their gradients are known: it sends them, one request per worker, and hands
-# ``_Arguments`` a zero so that the workers' backward overlaps the caller's own.
+# ``_Arguments`` a zero so that the workers' backward overlaps the caller's own. ``_Probe``, on
+# the results' side of ``_Results``, tells it whether the pass keeps the graph: a custom node
+# cannot see ``retain_graph``, but torch frees a node's saved tensors right after it runs in a
+# pass without it, so the probe's saved marker is gone by the time ``_Results`` runs.
 
 # Graphs the caller no longer needs, per (world, worker): sent along with the next message to
 # that worker rather than in messages of their own.
@@ -88,24 +91,6 @@ def _release_when_dropped(ctx: Any, world_token: object, kept: list[tuple[str, i
     """Release ``kept`` when the node ``ctx`` is freed with the caller's graph."""
     ctx.marker = torch.empty(0)
     weakref.finalize(ctx.marker, _release, world_token, kept)  # ``kept`` may still grow
-
-
-def _release_after_full_pass(ctx: Any, world_token: object, kept: list[tuple[str, int]]) -> None:
-    """Release ``kept`` after a backward pass without ``retain_graph`` that reached every output.
-
-    A custom node cannot see ``retain_graph``, but torch frees a node's saved tensors after
-    such a pass: a marker saved on the node tells. A pass that reached only some outputs frees
-    nothing on the workers, since a later pass may still reach the others, as it could locally.
-    """
-    marker = torch.empty(0)
-    ctx.full_pass = [False]
-    weakref.finalize(marker, _release_if, ctx.full_pass, world_token, kept)
-    ctx.save_for_backward(marker)
-
-
-def _release_if(full_pass: list[bool], world_token: object, kept: list[tuple[str, int]]) -> None:
-    if full_pass[0]:
-        _release(world_token, kept)
 
 
 class Part:
@@ -136,9 +121,16 @@ class RemoteGradients:
         self.kept: list[tuple[str, int]] = []  # what the release marker releases
         self.futures: dict[str, Any] = {}
         self.sent: list[tuple[Part, list[torch.Tensor | None]]] = []
+        self.probes: list[Callable[[], torch.Tensor | None]] = []  # per output: see _Probe
 
-    def send(self, grads: tuple[torch.Tensor | None, ...], create_graph: bool) -> None:
-        """Send the results' gradients, one request per worker; don't wait for the answers."""
+    def send(
+        self, grads: tuple[torch.Tensor | None, ...], create_graph: bool, retain: bool
+    ) -> None:
+        """Send the results' gradients, one request per worker; don't wait for the answers.
+
+        Without ``retain``, each worker frees what the pass went through, as a local backward
+        pass would, and forgets the graphs whose every output it reached.
+        """
         per_worker: dict[str, list[tuple[Part, list[torch.Tensor | None]]]] = {}
         offset = 0
         for part in self.parts:
@@ -156,7 +148,11 @@ class RemoteGradients:
                     if part.record is not None:
                         part.record.gradients_sent = timeline.now()
             self.futures[worker] = request(
-                worker, [(p.number, g) for p, g in items], create_graph, self.compression
+                worker,
+                [(p.number, g, not retain and all(t is not None for t in g)) for p, g in items],
+                create_graph or retain,
+                create_graph,
+                self.compression,
             )
 
     def collect(self, inputs: tuple[torch.Tensor, ...], create_graph: bool) -> list[Any]:
@@ -188,18 +184,21 @@ def _grouped(sent: list[tuple[Part, Any]]) -> dict[str, list[tuple[Part, Any]]]:
 
 def request(
     worker: str,
-    items: list[tuple[int, list[torch.Tensor | None]]],
+    items: list[tuple[int, list[torch.Tensor | None], bool]],
+    retain: bool,
     create_graph: bool,
     compression: Any,
 ) -> Any:
     """Send one gradient request to ``worker``; a future of its answers.
 
+    ``items``: per graph, its number, the outputs' gradients and whether to forget it after.
     Releases never travel with it: another request of the same backward pass may still be
     reading a graph that this pass has just freed on the caller.
     """
     if compression is not None:
-        items = [(n, transport.compress_tree(g, compression)) for n, g in items]
-    return rpc.rpc_async(worker, remote_worker.vjp, args=(items, create_graph, compression))
+        items = [(n, transport.compress_tree(g, compression), d) for n, g, d in items]
+    args = (items, retain, create_graph, compression)
+    return rpc.rpc_async(worker, remote_worker.vjp, args=args)
 
 
 def answers(worker: str, future: Any) -> list[Any]:
@@ -259,23 +258,21 @@ class _Kept(torch.autograd.Function):
         ctx.graph = graph
         ctx.sources = sources  # inputs: holding them makes no reference cycle
         ctx.set_materialize_grads(False)
-        kept = [(graph.worker, graph.number)]
-        _release_when_dropped(ctx, graph.world_token, kept)
-        _release_after_full_pass(ctx, graph.world_token, kept)
+        _release_when_dropped(ctx, graph.world_token, [(graph.worker, graph.number)])
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         graph: _KeptGraph = ctx.graph
         sources = ctx.sources
-        ctx.full_pass[0] = all(g is not None for g in grads)
         if all(g is None for g in grads):
             return (None, None, *[None] * len(sources))
         create_graph = torch.is_grad_enabled()
         part = Part(graph.worker, graph.number, list(range(len(sources))), graph.outputs, None)
         state = RemoteGradients(len(sources), graph.world_token, graph.compression)
         state.parts = [part]
-        state.send(grads, create_graph)
+        # A higher-order graph is kept for every pass (dropped with the caller's graph).
+        state.send(grads, create_graph, retain=True)
         return (None, None, *state.collect(tuple(sources), create_graph))
 
 
@@ -300,14 +297,38 @@ class _Results(torch.autograd.Function):
     ) -> Any:
         ctx.state = state
         ctx.set_materialize_grads(False)
-        _release_after_full_pass(ctx, state.world_token, state.kept)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        ctx.full_pass[0] = all(g is not None for g in grads)
-        ctx.state.send(grads, torch.is_grad_enabled())
+        state: RemoteGradients = ctx.state
+        retain = all(
+            probe() is not None
+            for probe, g in zip(state.probes, grads, strict=True)
+            if g is not None
+        )
+        state.send(grads, torch.is_grad_enabled(), retain)
         return None, None, torch.zeros(())
+
+
+class _Probe(torch.autograd.Function):
+    """Pass one result through; its saved marker outlives only a pass that keeps the graph.
+
+    One per result, so that passes through different results of one call are independent, as
+    they are locally when the results share no saved tensors.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: RemoteGradients, output: torch.Tensor) -> torch.Tensor:
+        marker = torch.empty(0)
+        state.probes.append(weakref.ref(marker))
+        ctx.save_for_backward(marker)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.saved_tensors  # noqa: B018 - raises, as locally, on a second pass through a freed graph
+        return None, grad
 
 
 def arguments_node(
@@ -330,8 +351,7 @@ def results_node(
     ``outputs`` are the parts' received tensors that require grad, in the order of
     ``state.parts``.
     """
-    state.kept.extend((p.worker, p.number) for p in state.parts)
-    return list(_Results.apply(state, outputs, token))
+    return [_Probe.apply(state, t) for t in _Results.apply(state, outputs, token)]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -348,16 +348,19 @@ def vjp(*args: Any) -> Future[Any]:
 
 
 def _vjp(
-    requests: list[tuple[int, list[torch.Tensor | None]]],
+    requests: list[tuple[int, list[torch.Tensor | None], bool]],
+    retain: bool,
     create_graph: bool,
     compression: torch.dtype | None,
 ) -> Any:
     """Answer one gradient request: the gradients of the kept graphs' leaves.
 
-    ``requests`` holds, per graph, its number and the gradient of each output (``None`` where
-    the caller's backward pass did not reach it). The graphs stay for another pass until the
-    caller releases them; with ``create_graph``, each answer is kept as a graph of its own
-    whose leaves are the graph's leaves followed by the received gradients.
+    ``requests`` holds, per graph, its number, the gradient of each output (``None`` where the
+    caller's backward pass did not reach it) and whether to forget the graph afterwards (the
+    pass reached every output and does not keep the graph). ``retain`` is the caller's
+    ``retain_graph``: without it, what the pass went through is freed, as in a local pass. With
+    ``create_graph``, each answer is kept as a graph of its own whose leaves are the graph's
+    leaves followed by the received gradients.
 
     Returns:
         Per graph, ``(gradients, number, outputs)``: the gradient of each leaf (``None`` where
@@ -367,7 +370,7 @@ def _vjp(
     world.use_process_threads()
     try:
         with _GRAPHS_LOCK:
-            graphs = [_GRAPHS[number] for number, _ in requests]
+            graphs = [_GRAPHS[number] for number, _, _ in requests]
     except KeyError as error:
         return RemoteFailure.capture(
             RuntimeError(
@@ -381,17 +384,20 @@ def _vjp(
     try:
         with torch.enable_grad():
             answers = [
-                _vjp_one(graph, grads, create_graph, compression)
-                for graph, (_, grads) in zip(graphs, requests, strict=True)
+                _vjp_one(graph, grads, retain, create_graph, compression)
+                for graph, (_, grads, _) in zip(graphs, requests, strict=True)
             ]
     except Exception as error:
         return RemoteFailure.capture(error, rpc.get_worker_info().name, "backward")
+    finally:
+        _drop(tuple(number for number, _, forget in requests if forget))
     return answers
 
 
 def _vjp_one(
     graph: tuple[list[torch.Tensor], list[torch.Tensor]],
     grads: list[torch.Tensor | None],
+    retain: bool,
     create_graph: bool,
     compression: torch.dtype | None,
 ) -> tuple[list[torch.Tensor | None], int, tuple[int, ...]]:
@@ -408,7 +414,7 @@ def _vjp_one(
         [o for o, _ in reached],
         leaves,
         grad_leaves if create_graph else [g for _, g in reached],
-        retain_graph=True,
+        retain_graph=retain,
         create_graph=create_graph,
         allow_unused=True,
     )

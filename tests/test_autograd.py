@@ -550,6 +550,9 @@ def worker_memory_is_flat_over_many_calls(world_size: int) -> None:
                 out.backward()
             if i in (100, 999):
                 rss.append(md.remote_sync_call(max_rss_mb, partitioner=1)[0])
+        if backward:  # a pass without retain_graph freed the worker's graph at once
+            now = md.remote_sync_call(kept_graphs, partitioner=1)[0]
+            assert now == before, f"after backward, worker 1 keeps {now} graphs, not {before}"
         del out
         md.remote_sync_call(kept_graphs, partitioner=1)  # carries the last release
         kept = md.remote_sync_call(kept_graphs, partitioner=1)[0]
