@@ -168,14 +168,11 @@ def role_metadist(args: argparse.Namespace) -> None:
 
         def step() -> None:
             opt.zero_grad()
-            with metadist.autograd.context() as ctx:
-                loss = meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry)
-                metadist.autograd.backward(ctx, [loss])
+            meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry).backward()
             opt.step()
 
         opt.zero_grad()
-        with metadist.autograd.context() as ctx:
-            metadist.autograd.backward(ctx, [meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry)])
+        meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry).backward()
         got = flat_grad(net)
         rel = ((got - reference).norm() / reference.norm()).item()
         times = time_steps(step, args.repeats, args.warmup)
