@@ -141,9 +141,9 @@ class _Packed:
 
     __slots__ = ("flat", "shapes")
 
-    def __init__(self, flat: torch.Tensor | _Compressed, shapes: tuple[torch.Size, ...]) -> None:
+    def __init__(self, flat: torch.Tensor | _Compressed, shapes: tuple[Any, ...]) -> None:
         self.flat = flat
-        self.shapes = shapes
+        self.shapes = shapes  # torch.Size each; None for an absent tensor (pack_tensors)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Packed, (self.flat, self.shapes))
@@ -152,6 +152,39 @@ class _Packed:
 #: Modules whose parameters total at most this many bytes send them packed (see _Packed); the
 #: copy into one buffer costs more than it saves for large models.
 PACK_BYTES = 4 << 20
+
+
+def pack_tensors(tensors: list[torch.Tensor | None]) -> Any:
+    """``tensors`` (``None`` allowed) as one flat tensor where that pays, else as they are.
+
+    Each tensor of a message costs RPC its own bookkeeping on both sides; a module's gradients
+    travel back as one tensor when they are several small dense ones of one dtype.
+
+    Example:
+        >>> import torch
+        >>> unpack_tensors(pack_tensors([torch.ones(2), None, torch.zeros(1, 1)]))
+        [tensor([1., 1.]), None, tensor([[0.]])]
+    """
+    present = [t for t in tensors if t is not None]
+    if (
+        len(present) < 2
+        or len({t.dtype for t in present}) > 1
+        or any(t.layout != torch.strided for t in present)
+        or sum(t.numel() for t in present) * present[0].element_size() > PACK_BYTES
+    ):
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in present])
+    return _Packed(flat, tuple(None if t is None else t.shape for t in tensors))
+
+
+def unpack_tensors(packed: Any) -> list[torch.Tensor | None]:
+    """Undo :func:`pack_tensors`."""
+    if not isinstance(packed, _Packed):
+        return list(packed)
+    assert isinstance(packed.flat, torch.Tensor)
+    shapes: tuple[torch.Size | None, ...] = packed.shapes
+    pieces = iter(packed.flat.split([s.numel() for s in shapes if s is not None]))
+    return [None if s is None else next(pieces).view(s) for s in shapes]
 
 
 class _ModuleRef:

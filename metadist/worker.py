@@ -427,5 +427,5 @@ def _vjp_one(
             number = _keep([*leaves, *grad_leaves], kept)
         answer = [None if g is None else g.detach() for g in answer]
     if compression is not None:
-        answer = transport.compress_tree(answer, compression)
-    return answer, number, diff
+        return transport.compress_tree(answer, compression), number, diff
+    return transport.pack_tensors(answer), number, diff
