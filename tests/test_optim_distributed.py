@@ -30,7 +30,7 @@ from metadist.optim import (
     register_functional_optimizer,
 )
 from metadist.optim.qhm import qhm
-from metadist.optim.scripting import torchscript_status
+from metadist.optim.scripting import forget, torchscript_status
 
 OWNERS = ("worker1", "worker2", "worker0")  # pipeline order; worker0 is the caller
 DIM = 4
@@ -629,14 +629,14 @@ def _check_torchscript_unavailable(world_size: int) -> None:
 
     original = torch.jit.script
     torch.jit.script = refuse
-    torchscript_status.cache_clear()
+    forget()
     try:
         message = rf"mode='scripted'.*torch {re.escape(torch.__version__)}.*mode='eager'"
         with pytest.raises(RuntimeError, match=message):
             DistributedOptimizer(MyQHM, model.rrefs, mode={"worker1": "scripted"}, **kwargs)
     finally:
         torch.jit.script = original
-        torchscript_status.cache_clear()
+        forget()
 
 
 SCENARIOS = [

@@ -119,7 +119,7 @@ class LocalOptimizer:
         mode = spec.mode
         if mode == "auto":
             mode = "eager" if "foreach" in accepted or "fused" in accepted else "scripted"
-            problem = torchscript_status()[1] if mode == "scripted" else None
+            problem = torchscript_status(functional_class)[1] if mode == "scripted" else None
             if problem is not None:
                 _log_eager_fallback(functional_class.__name__, problem)
                 mode = "eager"

@@ -1,8 +1,9 @@
-"""Compile a functional optimizer instance with TorchScript, while torch still has it.
+"""Compile a functional optimizer instance with TorchScript, where torch can.
 
 Held by a scripted ``nn.Module``, the optimizer's ``step`` runs in the TorchScript interpreter,
-without the GIL. torch deprecates TorchScript (since 2.10) and is set to make
-``torch.jit.script`` raise: :func:`torchscript_status` says which (``docs/optim.md``).
+without the GIL. torch deprecates TorchScript (since 2.10), and its own kernels stop compiling one
+by one (in torch 2.14 only SGD's and Rprop's still do): :func:`torchscript_status` says what
+compiles here, and ``mode="auto"`` steps eagerly where it does not (``docs/optim.md``).
 """
 
 from __future__ import annotations
@@ -16,36 +17,129 @@ import torch
 from torch import Tensor
 
 from metadist._quiet import quiet_torch_warnings
-from metadist.optim.functional import FunctionalOptimizer
+from metadist.optim import functional
+from metadist.optim.functional import FunctionalOptimizer, FunctionalSGD
 
 __all__ = ["ScriptedFunctionalOptimizer", "script_functional_optimizer", "torchscript_status"]
 
-# torch's compiler is not thread-safe; torch caches compiled classes, so only the first
-# instance of each functional class pays for compilation.
+# torch's compiler is not thread-safe.
 _compile_lock = threading.Lock()
+FIX = "Step it eagerly instead (its step(), or DistributedOptimizer(..., mode='eager' or 'auto'))"
 
 
-def _probe(x: Tensor) -> Tensor:
-    return x + 1
+def _source(optim: FunctionalOptimizer) -> str:
+    """The step of ``optim``'s class as TorchScript source: TorchScript calls take no ``**kwargs``,
+    so the call of the kernel is written out from its signature (:func:`functional.plan`)."""
+    _, names, lazy, keywords = functional.plan(optim.kind)
+    stored = [n for n in names if n != lazy]
+    switches = [optim.switches.get(n, "") for n in stored]
+    fills = [f'd["{optim.fills[n]}"]' if n in optim.fills else "0.0" for n in stored]
+    args = ["bufs" if n == lazy else f"s[{stored.index(n)}]" for n in names]
+    special = {
+        "has_complex": "cplx",
+        "has_sparse_grad": "sparse",
+        "weight_decay_type": "wd_type(f)",
+    }
+    for k in keywords:
+        source = "d" if k in optim.defaults else "f" if k in optim.flags else None
+        if source or k in special:
+            args.append(f'{k}={source}["{k}"]' if source else f"{k}={special[k]}")
+    lines = [
+        "def step(params: List[Tensor], gradients: List[Optional[Tensor]], "
+        "state: Dict[Tensor, Dict[str, Tensor]], d: Dict[str, float], f: Dict[str, bool]):",
+        f"    used = active({switches!r}, d, f)",
+        f"    kept, grads, s, cplx, sparse = collect(params, gradients, state, {stored!r}, used, "
+        f"[{', '.join(fills)}], False)",
+        f"    bufs = lazy(kept, state, {lazy!r})" if lazy else "",
+        "    with torch.no_grad():",
+        f"        kernel(kept, grads, {', '.join(args)})",
+    ]
+    if lazy:
+        lines.append(f"    if active([{optim.switches[lazy]!r}], d, f)[0]:")
+        lines.append(f"        keep(kept, bufs, state, {lazy!r})")
+    return "\n".join(line for line in lines if line) + "\n"
 
 
 @functools.cache
-def torchscript_status() -> tuple[bool, str | None]:
-    """``(works, problem)``: whether ``torch.jit.script`` compiles a probe here (once per process),
-    and why ``"auto"`` should not pick it (deprecated, say), or ``None``."""
-    version = torch.__version__
-    script = getattr(torch.jit, "script", None)
-    if script is None:
-        return False, f"torch {version} has no torch.jit.script"
+def _compile(cls: Any, source: str | None) -> tuple[Any, str | None]:
+    """``(compiled, None)`` or ``(None, why not)`` for a functional class: the step of one of
+    metadist's (its ``source``), or a user's class as a TorchScript class. Once per class: torch
+    cannot compile a class again after a failed attempt."""
+    try:
+        if not callable(getattr(torch.jit, "script", None)):
+            raise RuntimeError("torch.jit.script is gone")
+        with _compile_lock, quiet_torch_warnings():
+            if source is None:
+                return torch.jit.script(cls), None
+            env = {**vars(functional), "kernel": functional.plan(cls.kind).kernel, "torch": torch}
+            unit = torch.jit.CompilationUnit()
+            unit.define(source, rcb=env.get)
+            return unit.step, None
+    except Exception as exc:
+        return None, _why(cls, exc)
+
+
+def _why(cls: type, exc: Exception) -> str:
+    # TorchScript's first line says what failed; a later one names the function it was in.
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or ["?"]
+    where = next((line for line in lines if "is being compiled" in line), "")
+    return (
+        f"TorchScript in torch {torch.__version__} cannot compile {cls.__name__} "
+        f"({type(exc).__name__}: {lines[0]}{' ' + where if where else ''})"
+    )
+
+
+def _script(optim: Any) -> Any:
+    """The scripted :class:`ScriptedFunctionalOptimizer` of ``optim``; ``RuntimeError(why not)``."""
+    cls: Any = type(optim)
+    mine = isinstance(optim, FunctionalOptimizer)
+    compiled, problem = _compile(cls, _source(optim) if mine else None)
+    if problem is None:
+        try:
+            with _compile_lock, quiet_torch_warnings():
+                return torch.jit.script(
+                    ScriptedFunctionalOptimizer(optim, compiled if mine else None)
+                )
+        except Exception as exc:
+            problem = _why(cls, exc)
+    raise RuntimeError(problem)
+
+
+@functools.cache
+def torchscript_status(functional_class: Any = FunctionalSGD) -> tuple[bool, str | None]:
+    """``(works, problem)``: whether :func:`script_functional_optimizer` compiles instances of
+    ``functional_class`` here (one of metadist's: tried on a one-element instance; a user's: its
+    class compiled; once per process and class), and why ``"auto"`` should not pick it
+    (deprecated, say), or ``None``."""
+    try:
+        if issubclass(functional_class, FunctionalOptimizer):
+            _script(_instance(functional_class))
+        elif (problem := _compile(functional_class, None)[1]) is not None:
+            raise RuntimeError(problem)
+    except Exception as exc:
+        return False, str(exc)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            script(_probe)
-        except Exception as exc:
-            return False, f"torch.jit.script fails in torch {version} ({type(exc).__name__}: {exc})"
-    if any(issubclass(w.category, DeprecationWarning) for w in caught):
-        return True, f"torch {version} deprecates TorchScript"
+        torch.jit.script(_probe)  # for the notice torch gives at every call
+    if any("deprecated" in str(w.message) for w in caught):
+        return True, f"torch {torch.__version__} deprecates TorchScript"
     return True, None
+
+
+def forget() -> None:
+    """Forget what :func:`torchscript_status` found (for tests that change ``torch.jit``)."""
+    torchscript_status.cache_clear()
+    _compile.cache_clear()
+
+
+def _probe(x: Tensor) -> Tensor:
+    return x
+
+
+def _instance(cls: type) -> FunctionalOptimizer:
+    """A one-element instance of one of metadist's classes (FunctionalQHM's needs values)."""
+    needed = {"lr": 0.1, "momentum": 0.5, "nu": 0.5} if cls is functional.FunctionalQHM else {}
+    return cls([torch.zeros(1)], **needed)
 
 
 class ScriptedFunctionalOptimizer(torch.nn.Module):
@@ -54,15 +148,23 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
 
     Args:
         optim: A functional optimizer instance (``step(gradients)``, ``state``, ``defaults``).
+        compiled: Its class's compiled step (metadist's classes) or ``None`` (a user's class).
     """
 
-    def __init__(self, optim: Any) -> None:
-        _check_functional_optimizer(optim)
+    def __init__(self, optim: Any, compiled: Any = None) -> None:
         super().__init__()
-        # metadist's own classes share one step through inheritance, which TorchScript cannot
-        # compile: they are scripted as the one class holding the same containers.
-        self.optim = optim.scriptable() if isinstance(optim, FunctionalOptimizer) else optim
+        if compiled is None:
+            self.optim = optim
+            return
+        # metadist's classes share one step through inheritance and call their kernels with
+        # **kwargs, which TorchScript cannot compile: the module holds their containers and the
+        # step compiled for their class.
+        self.run, self.params = compiled, optim.params
+        self.state: Any = torch.jit.Attribute(optim.state, dict[Tensor, dict[str, Tensor]])
+        self.defaults: Any = torch.jit.Attribute(optim.defaults, dict[str, float])
+        self.flags: Any = torch.jit.Attribute(optim.flags, dict[str, bool])
 
+    # hasattr(self, "optim") is decided at compile time: only the branch that applies compiles.
     @torch.jit.export
     def step(self, gradients: list[Tensor | None]) -> None:
         """Step the held optimizer.
@@ -70,47 +172,40 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         Args:
             gradients: One gradient per parameter, in parameter order; ``None`` skips it.
         """
-        self.optim.step(gradients)
+        if hasattr(self, "optim"):
+            self.optim.step(gradients)
+        else:
+            self.run(self.params, gradients, self.state, self.defaults, self.flags)
 
     @torch.jit.export
     def get_state(self) -> dict[Tensor, dict[str, Tensor]]:
-        """Return the held optimizer's state (the live tensors).
-
-        Returns:
-            ``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it.
-        """
-        return self.optim.state
+        """Return the held optimizer's state (the live tensors), ``{parameter: {name: tensor}}``."""
+        return self.optim.state if hasattr(self, "optim") else self.state
 
     @torch.jit.export
     def set_state(self, state: dict[Tensor, dict[str, Tensor]]) -> None:
-        """Replace the held optimizer's state.
-
-        Args:
-            state: ``{parameter: {name: tensor}}``; ``{}`` starts every parameter afresh.
-        """
-        self.optim.state = state
+        """Replace the held optimizer's state (``{}`` starts every parameter afresh)."""
+        if hasattr(self, "optim"):
+            self.optim.state = state
+        else:
+            self.state = state
 
     @torch.jit.export
     def get_defaults(self) -> dict[str, float]:
-        """Return the held optimizer's float hyperparameters.
-
-        Returns:
-            ``{name: value}``.
-        """
-        return self.optim.defaults
+        """Return the held optimizer's float hyperparameters, ``{name: value}``."""
+        return self.optim.defaults if hasattr(self, "optim") else self.defaults
 
     @torch.jit.export
     def set_defaults(self, defaults: dict[str, float]) -> None:
-        """Replace the held optimizer's float hyperparameters.
-
-        Args:
-            defaults: ``{name: value}``, e.g. with a new ``lr`` from a scheduler.
-        """
-        self.optim.defaults = defaults
+        """Replace the held optimizer's float hyperparameters (a new ``lr``, say)."""
+        if hasattr(self, "optim"):
+            self.optim.defaults = defaults
+        else:
+            self.defaults = defaults
 
 
 def script_functional_optimizer(optim: Any) -> Any:
-    """Compile ``optim`` (a functional optimizer instance) with ``torch.jit.script``.
+    """Compile ``optim`` (a functional optimizer instance) with TorchScript.
 
     Args:
         optim: An instance of a TorchScript-compatible functional optimizer built with
@@ -122,17 +217,14 @@ def script_functional_optimizer(optim: Any) -> Any:
     Raises:
         TypeError: If ``optim`` is not a functional optimizer instance (checked before compiling).
         ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
-        RuntimeError: If this torch cannot script at all, or cannot compile this class.
+        RuntimeError: If this torch cannot script at all, or cannot compile this class (the
+            message names the torch version).
     """
     _check_functional_optimizer(optim)
-    works, problem = torchscript_status()
-    if not works:
-        raise RuntimeError(
-            f"cannot script {type(optim).__name__}: {problem}. Step it eagerly instead "
-            "(call its step() directly, or DistributedOptimizer(..., mode='eager' or 'auto'))"
-        )
-    with _compile_lock, quiet_torch_warnings():
-        return torch.jit.script(ScriptedFunctionalOptimizer(optim))
+    try:
+        return _script(optim)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot script {type(optim).__name__}: {exc}. {FIX}") from None
 
 
 def _check_functional_optimizer(optim: Any) -> None:
