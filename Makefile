@@ -28,8 +28,7 @@ $(TVENV)/.installed:
 	$(PYTHON) -m venv $(TVENV)
 	echo "*" > $(TVENV)/.gitignore
 	$(TVENV)/bin/python -m pip install -q --upgrade pip
-	$(TVENV)/bin/python -m pip install -q "torch==$(TORCH)"
-	$(TVENV)/bin/python -m pip install -q -e ".[dev,examples]"
+	$(TVENV)/bin/python -m pip install -q "torch==$(TORCH)" -e ".[dev,examples]"
 	touch $@
 
 test-torch: $(TVENV)/.installed
