@@ -258,6 +258,7 @@ class FunctionalOptimizer:
     # hyperparameter's value rather than at zero.
     switches: ClassVar[dict[str, str]] = {}
     fills: ClassVar[dict[str, str]] = {}
+    upfront: ClassVar[bool] = False  # state made at construction (Adagrad's), not at first step
     params: list[Tensor]
 
     def __post_init__(self) -> None:
@@ -267,7 +268,11 @@ class FunctionalOptimizer:
         self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)
         self.defaults = flat_hparams(hyper)
         self.flags = {k: bool(v) for k, v in hyper.items() if isinstance(v, bool) or v is None}
+        # QHM's weight_decay_type, as a flag: the containers TorchScript gets hold floats and bools.
+        self.flags["direct_weight_decay"] = hyper.get("weight_decay_type") == "direct"
         self.state = {}
+        if self.upfront:
+            self.collect(self.params, list(self.params), self.state)
         # Flat stepping pays off for fused Adam/AdamW over many small real tensors of one kind
         # (SGD's update is too cheap to win back the copies).
         self._flattens = (
@@ -340,174 +345,38 @@ class FunctionalOptimizer:
             keep(kept, bufs, state, lazy_name)
 
 
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalSGD(FunctionalOptimizer):
-    """SGD; matches ``torch.optim.SGD``."""
-
-    kind, torch_class, switches = "sgd", torch.optim.SGD, {"momentum_buffer": "momentum"}
-    lr: float = 1e-3
-    momentum: float = 0.0
-    dampening: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    maximize: bool = False
-    foreach: bool = False
-    fused: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdam(FunctionalOptimizer):
-    """Adam; matches ``torch.optim.Adam``."""
-
-    kind, torch_class, switches = "adam", torch.optim.Adam, {"max_exp_avg_sq": "amsgrad"}
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    amsgrad: bool = False
-    maximize: bool = False
-    foreach: bool = False
-    fused: bool = False
-    decoupled_weight_decay: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdamW(FunctionalOptimizer):
-    """AdamW; matches ``torch.optim.AdamW``."""
-
-    kind, torch_class, switches = "adamw", torch.optim.AdamW, {"max_exp_avg_sq": "amsgrad"}
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-2
-    amsgrad: bool = False
-    maximize: bool = False
-    foreach: bool = False
-    fused: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdagrad(FunctionalOptimizer):
-    """Adagrad; matches ``torch.optim.Adagrad`` (whose state exists from construction on)."""
-
-    kind, torch_class, fills = "adagrad", torch.optim.Adagrad, {"sum": "initial_accumulator_value"}
-    lr: float = 1e-2
-    lr_decay: float = 0.0
-    weight_decay: float = 0.0
-    initial_accumulator_value: float = 0.0
-    eps: float = 1e-10
-    maximize: bool = False
-    foreach: bool = False
-    fused: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.collect(self.params, list(self.params), self.state)
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalRMSprop(FunctionalOptimizer):
-    """RMSprop; matches ``torch.optim.RMSprop``."""
-
-    kind, torch_class, switches = (
-        "rmsprop",
-        torch.optim.RMSprop,
-        {"grad_avg": "centered", "momentum_buffer": "momentum"},
+def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
+    """A functional optimizer class for ``torch_class``: a dataclass of ``params`` and the
+    hyperparameters of its constructor (same names, defaults, keyword-only ones; without
+    ``capturable`` and ``differentiable``, which stepping outside autograd and graphs excludes)."""
+    fields: list[Any] = []
+    for p in list(inspect.signature(torch_class).parameters.values())[1:]:
+        if p.name not in ("capturable", "differentiable"):
+            default = {} if p.default is p.empty else {"default": p.default}
+            kw_only = p.kind is p.KEYWORD_ONLY
+            fields.append((p.name, Any, dataclasses.field(kw_only=kw_only, **default)))
+    name = "Functional" + torch_class.__name__
+    doc = f"{torch_class.__name__} on explicit gradients; matches ``{torch_class.__module__}."
+    doc += f"{torch_class.__name__}``, whose hyperparameters (names, defaults) it takes."
+    namespace = {"kind": kind, "torch_class": torch_class, "__doc__": doc, **class_vars}
+    cls = dataclasses.make_dataclass(
+        name, fields, bases=(FunctionalOptimizer,), namespace=namespace, eq=False, repr=False
     )
-    lr: float = 1e-2
-    alpha: float = 0.99
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    centered: bool = False
-    maximize: bool = False
-    foreach: bool = False
+    cls.__module__ = __name__
+    return cls
 
 
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdamax(FunctionalOptimizer):
-    """Adamax; matches ``torch.optim.Adamax``."""
-
-    kind, torch_class = "adamax", torch.optim.Adamax
-    lr: float = 2e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    maximize: bool = False
-    foreach: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdadelta(FunctionalOptimizer):
-    """Adadelta; matches ``torch.optim.Adadelta``."""
-
-    kind, torch_class = "adadelta", torch.optim.Adadelta
-    lr: float = 1.0
-    rho: float = 0.9
-    eps: float = 1e-6
-    weight_decay: float = 0.0
-    maximize: bool = False
-    foreach: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalRprop(FunctionalOptimizer):
-    """Rprop; matches ``torch.optim.Rprop``."""
-
-    kind, torch_class, fills = "rprop", torch.optim.Rprop, {"step_size": "lr"}
-    lr: float = 1e-2
-    etas: tuple[float, float] = (0.5, 1.2)
-    step_sizes: tuple[float, float] = (1e-6, 50.0)
-    maximize: bool = False
-    foreach: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalQHM(FunctionalOptimizer):
-    """Quasi-hyperbolic momentum, the functional twin of :class:`metadist.optim.QHM`."""
-
-    kind, torch_class = "qhm", QHM
-    lr: float
-    momentum: float
-    nu: float
-    weight_decay: float = 0.0
-    weight_decay_type: str = "grad"
-    maximize: bool = False
-    foreach: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.flags["direct_weight_decay"] = self.weight_decay_type == "direct"
-
-
-# Each argument described once for every class that takes it (the Args of their docstrings).
-_ARGS = {
-    "params": "Parameters to update in place.",
-    "lr": "Learning rate (Adadelta: scales the delta; Rprop: the initial step size).",
-    "momentum": "Momentum factor (QHM: in ``[0, 1)``).",
-    "dampening": "Dampening for momentum.",
-    "weight_decay": "Weight decay: L2, or decoupled (AdamW, ``decoupled_weight_decay``, QHM's "
-    '``"direct"``).',
-    "nesterov": "Nesterov momentum.",
-    "betas": "Coefficients of the running averages (Adamax: of the gradient and its inf-norm).",
-    "eps": "Term added to the denominator.",
-    "amsgrad": "Use the AMSGrad variant.",
-    "lr_decay": "Learning-rate decay.",
-    "initial_accumulator_value": "Starting value of the sum of squares.",
-    "alpha": "Smoothing constant.",
-    "centered": "Normalize by an estimate of the gradient's variance.",
-    "rho": "Coefficient of the running averages.",
-    "etas": "Multiplicative decrease and increase factors.",
-    "step_sizes": "Minimal and maximal step sizes.",
-    "nu": "Immediate discount factor.",
-    "weight_decay_type": '``"grad"`` or ``"direct"`` (see :func:`metadist.optim.qhm`).',
-    "maximize": "Ascend instead of descend.",
-    "foreach": "Multi-tensor kernels (eager only).",
-    "fused": "Fused kernels (eager only).",
-    "decoupled_weight_decay": "AdamW-style weight decay.",
-}
-for _cls in FunctionalOptimizer.__subclasses__():
-    _cls.__doc__ = "\n".join(
-        [inspect.cleandoc(_cls.__doc__ or ""), "", "Args:"]
-        + [f"    {f.name}: {_ARGS[f.name]}" for f in dataclasses.fields(_cls)]
-    )
+FunctionalSGD = _functional(torch.optim.SGD, "sgd", switches={"momentum_buffer": "momentum"})
+FunctionalAdam = _functional(torch.optim.Adam, "adam", switches={"max_exp_avg_sq": "amsgrad"})
+FunctionalAdamW = _functional(torch.optim.AdamW, "adamw", switches={"max_exp_avg_sq": "amsgrad"})
+# Adagrad's state exists from construction on, starting at initial_accumulator_value.
+FunctionalAdagrad = _functional(
+    torch.optim.Adagrad, "adagrad", fills={"sum": "initial_accumulator_value"}, upfront=True
+)
+FunctionalRMSprop = _functional(
+    torch.optim.RMSprop, "rmsprop", switches={"grad_avg": "centered", "momentum_buffer": "momentum"}
+)
+FunctionalAdamax = _functional(torch.optim.Adamax, "adamax")
+FunctionalAdadelta = _functional(torch.optim.Adadelta, "adadelta")
+FunctionalRprop = _functional(torch.optim.Rprop, "rprop", fills={"step_size": "lr"})
+FunctionalQHM = _functional(QHM, "qhm")
