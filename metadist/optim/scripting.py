@@ -205,51 +205,25 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
 
 
 def script_functional_optimizer(optim: Any) -> Any:
-    """Compile ``optim`` (a functional optimizer instance) with TorchScript.
-
-    Args:
-        optim: An instance of a TorchScript-compatible functional optimizer built with
-            ``foreach=False`` and ``fused=False``.
-
-    Returns:
-        A scripted :class:`ScriptedFunctionalOptimizer`.
+    """Compile ``optim``, a functional optimizer instance built with ``foreach=False`` and
+    ``fused=False``, with TorchScript; return the scripted :class:`ScriptedFunctionalOptimizer`.
 
     Raises:
         TypeError: If ``optim`` is not a functional optimizer instance (checked before compiling).
         ValueError: If ``optim`` was built with ``foreach=True`` or ``fused=True``.
-        RuntimeError: If this torch cannot script at all, or cannot compile this class (the
-            message names the torch version).
+        RuntimeError: If this torch cannot compile its class (naming the version and the fix).
     """
-    _check_functional_optimizer(optim)
-    try:
-        return _script(optim)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot script {type(optim).__name__}: {exc}. {FIX}") from None
-
-
-def _check_functional_optimizer(optim: Any) -> None:
-    """Raise a clear error unless ``optim`` is a scriptable functional optimizer instance
-    (TorchScript would fail with a compile error about a missing attribute)."""
-    expected = (
-        "a functional optimizer instance (with step(gradients), a state dict and a defaults "
-        "dict), e.g. FunctionalAdam(params, lr=0.1)"
-    )
+    expected = "a functional optimizer instance (step(gradients), state and defaults dicts)"
     if isinstance(optim, type):
-        raise TypeError(
-            f"optim must be {expected}, got the class {optim.__name__}; create an instance first"
-        )
+        raise TypeError(f"optim must be {expected}, got the class {optim.__name__}; create one")
     if isinstance(optim, torch.optim.Optimizer):
         raise TypeError(
             f"optim must be {expected}, got the torch.optim.Optimizer {type(optim).__name__}, "
             "which reads .grad; use its functional twin (see get_functional_optimizer)"
         )
-    has = {
-        "step": callable(getattr(optim, "step", None)),
-        "state": isinstance(getattr(optim, "state", None), dict),
-        "defaults": isinstance(getattr(optim, "defaults", None), dict),
-    }
-    lacking = [name for name, ok in has.items() if not ok]
-    if lacking:
+    has = {"step": callable(getattr(optim, "step", None))}
+    has.update({k: isinstance(getattr(optim, k, None), dict) for k in ("state", "defaults")})
+    if lacking := [name for name, ok in has.items() if not ok]:
         raise TypeError(
             f"optim must be {expected}, got {optim!r:.100} of type {type(optim).__name__}, "
             f"which has no {' / '.join(lacking)}"
@@ -258,5 +232,9 @@ def _check_functional_optimizer(optim: Any) -> None:
         if getattr(optim, flag, False) is True:
             raise ValueError(
                 f"optim was built with {flag}=True, which TorchScript cannot run; build it with "
-                f"{flag}=False (the default) to script it"
+                f"{flag}=False to script it"
             )
+    try:
+        return _script(optim)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot script {type(optim).__name__}: {exc}. {FIX}") from None
