@@ -229,11 +229,10 @@ class LocalOptimizer:
                 grads = [None if g is None else g * inv_scale for g in grads]
                 found_inf = any(not bool(torch.isfinite(g).all()) for g in grads if g is not None)
             self.staged[context_id] = grads
+            if norm_type is None:
+                return found_inf, None
             present = [g for g in grads if g is not None]
-            if norm_type is None or not present:
-                return found_inf, None if norm_type is None else torch.zeros(())
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in present])
-            return found_inf, torch.linalg.vector_norm(norms, norm_type)
+            return found_inf, torch.nn.utils.get_total_norm(present, norm_type)
 
     def state(self) -> tuple[list[dict[str, Any] | None], list[Tensor | None] | None]:
         """Copies of the optimizer state (one entry per parameter) and of the open window."""

@@ -1,4 +1,4 @@
-# _collect, active and keep_lazy also run under TorchScript: no zip(strict=), no `not in {...}`.
+# collect, active, lazy, keep and wd_type also run under TorchScript: no zip(strict=), no `not in`.
 # ruff: noqa: B905, PLR0917
 """Functional optimizers: one dataclass of hyperparameters per algorithm, one ``step`` for all.
 
