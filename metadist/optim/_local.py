@@ -133,8 +133,15 @@ class LocalOptimizer:
             self.kernel = eager_kernel(accepted, params, foreach, fused)
             if self.kernel != "single-tensor":
                 kwargs[self.kernel] = True
-        functional = functional_class(params, **kwargs)
-        self.optim = script_functional_optimizer(functional) if mode == "scripted" else functional
+        self.optim = functional = functional_class(params, **kwargs)
+        if mode == "scripted":
+            try:
+                self.optim = script_functional_optimizer(functional)
+            except RuntimeError as exc:
+                if spec.mode != "auto":
+                    raise
+                _log_eager_fallback(functional_class.__name__, str(exc))  # its own class failed
+                self.mode = "eager"
 
     def _get(self, name: str) -> Any:
         """The optimizer's ``state`` or ``defaults`` (a scripted module's come by method)."""

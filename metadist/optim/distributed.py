@@ -36,8 +36,17 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
 ) -> Tensor:
     """Clip the gradients the next ``optimizer.step(context_id)`` applies by their norm over all
-    owners, as ``torch.nn.utils.clip_grad_norm_`` does in one process (see ``docs/optim.md``),
-    and return their total norm before clipping (a 0-dim float tensor).
+    owners, as ``torch.nn.utils.clip_grad_norm_`` does in one process (see ``docs/optim.md``).
+
+    Args:
+        optimizer: The :class:`DistributedOptimizer` whose parameters' gradients to clip.
+        context_id: A distributed-autograd context id created in this process.
+        max_norm: Largest allowed total norm (``> 0``).
+        norm_type: Order of the norm, ``> 0`` or ``float("inf")``.
+        error_if_nonfinite: Raise if the total norm is inf or NaN.
+
+    Returns:
+        The total norm of the gradients before clipping (0-dim float tensor).
 
     Raises:
         TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
@@ -208,10 +217,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Do nothing: distributed-autograd gradients live in their context, not in ``.grad``."""
+        """Do nothing: distributed-autograd gradients live in their context, not in ``.grad``.
+
+        Args:
+            set_to_none: Ignored; kept for ``torch.optim.Optimizer`` compatibility.
+        """
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Raise ``NotImplementedError``: a DistributedOptimizer has exactly one param group."""
+        """Not supported: a DistributedOptimizer has exactly one param group.
+
+        Args:
+            param_group: Ignored.
+
+        Raises:
+            NotImplementedError: Always.
+        """
         raise NotImplementedError(
             "DistributedOptimizer has one param group; create a second DistributedOptimizer "
             "for parameters that need different hyperparameters"
@@ -223,14 +243,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._passes + 1 >= self.backward_passes_per_step
 
     def describe(self) -> dict[str, tuple[str, str, int]]:
-        """Return, per owner, the mode and kernel chosen there and how many parameters it holds:
-        ``{worker_name: (mode, kernel, num_params)}``, e.g. ``("eager", "fused", 2)``."""
+        """Return, per owner, the mode and kernel chosen there and how many parameters it holds.
+
+        Returns:
+            ``{worker_name: (mode, kernel, num_params)}``, e.g. ``("eager", "fused", 2)``.
+        """
         return self._call_owners("describe")
 
     def step(self, context_id: int) -> None:  # type: ignore[override]
-        """Apply the gradients of ``context_id`` (a context created in this process) on every
-        owner, one request per owner; with ``backward_passes_per_step = N`` the first ``N - 1``
-        calls of a window only accumulate.
+        """Apply the gradients of ``context_id`` on every owner (one request per owner); with
+        ``backward_passes_per_step = N`` the first ``N - 1`` calls of a window only accumulate.
+
+        Args:
+            context_id: A distributed-autograd context id created in this process.
 
         Raises:
             ValueError: If ``context_id`` is not a live context of this process.
@@ -255,8 +280,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise
 
     def skip(self, context_id: int) -> None:
-        """Drop the gradients of ``context_id`` (a live context of this process) and of the
-        current accumulation window everywhere (:class:`DistributedGradScaler` on an inf/NaN)."""
+        """Drop the gradients of ``context_id`` and of the current accumulation window everywhere
+        (what :class:`DistributedGradScaler` does when an owner found an inf/NaN).
+
+        Args:
+            context_id: A live distributed-autograd context id of this process, as for ``step``.
+        """
         check_context(context_id, "DistributedOptimizer")
         with self._lock:
             self._passes = 0
@@ -264,10 +293,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._call_owners("skip")
 
     def state_dict(self) -> dict[str, Any]:
-        """Gather the owners' state into one ``torch.optim``-format state dict, ``{"state":
-        {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}`` (parameter ``i``
-        is ``params_rref[i]``), plus mid-window ``"accumulation": {"passes": k, "gradients":
-        {index: tensor}}`` (``docs/optim.md``)."""
+        """Gather the owners' state into one ``torch.optim``-format state dict (parameter ``i`` is
+        ``params_rref[i]``; mid-window it also holds the window, see ``docs/optim.md``).
+
+        Returns:
+            ``{"state": {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``
+            (plus ``"accumulation": {"passes": k, "gradients": {index: tensor}}`` mid-window).
+        """
         with self._lock:
             passes = self._passes
             per_owner = self._call_owners("state")
@@ -288,9 +320,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Send a :meth:`state_dict` (or a ``torch.optim`` one of the same algorithm over the same
-        parameters, in ``params_rref`` order) back to the owners, with the group's hyperparameters
-        and the accumulation window (a fresh one if none was saved: earlier gradients are dropped).
+        """Send a :meth:`state_dict` back to the owners, with the group's hyperparameters and the
+        accumulation window (a fresh one if none was saved: earlier gradients are dropped).
+
+        Args:
+            state_dict: A dict from :meth:`state_dict` (or a ``torch.optim`` state dict of the
+                same algorithm over the same parameters, in ``params_rref`` order).
 
         Raises:
             ValueError: If the dict does not fit this optimizer (checked before any request).
@@ -354,10 +389,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def stage_gradients(
         self, context_id: int, inv_scale: float | None = None, norm_type: float | None = None
     ) -> list[tuple[bool, Tensor | None]]:
-        """Have every owner scale the gradients the next ``step(context_id)`` applies by
-        ``inv_scale`` (``None``: leave them) and keep them for it; return, per owner, whether it
-        found an inf/NaN and their norm of order ``norm_type`` (or ``None``). The building block
-        of :class:`DistributedGradScaler` and clipping."""
+        """Have every owner scale the gradients the next ``step(context_id)`` applies and keep
+        them for it (the building block of :class:`DistributedGradScaler` and clipping).
+
+        Args:
+            context_id: A distributed-autograd context id created in this process.
+            inv_scale: Factor to unscale the gradients by, or ``None`` to leave them.
+            norm_type: Order of the norm to report, or ``None`` for no norm.
+
+        Returns:
+            Per owner: ``(found inf/NaN, norm or None)``.
+        """
         check_context(context_id, "DistributedOptimizer")
         apply = self.next_step_applies
         return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())

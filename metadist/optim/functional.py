@@ -345,6 +345,34 @@ class FunctionalOptimizer:
             keep(kept, bufs, state, lazy_name)
 
 
+# Each argument described once for every class that takes it (the Args of their docstrings).
+_ARGS = {
+    "params": "Parameters to update in place.",
+    "lr": "Learning rate (Adadelta: scales the delta; Rprop: the initial step size).",
+    "momentum": "Momentum factor (QHM: in ``[0, 1)``).",
+    "dampening": "Dampening for momentum.",
+    "weight_decay": "Weight decay: L2, or decoupled (AdamW, ``decoupled_weight_decay``, QHM's "
+    '``"direct"``).',
+    "nesterov": "Nesterov momentum.",
+    "betas": "Coefficients of the running averages (Adamax: of the gradient and its inf-norm).",
+    "eps": "Term added to the denominator.",
+    "amsgrad": "Use the AMSGrad variant.",
+    "lr_decay": "Learning-rate decay.",
+    "initial_accumulator_value": "Starting value of the sum of squares.",
+    "alpha": "Smoothing constant.",
+    "centered": "Normalize by an estimate of the gradient's variance.",
+    "rho": "Coefficient of the running averages.",
+    "etas": "Multiplicative decrease and increase factors.",
+    "step_sizes": "Minimal and maximal step sizes.",
+    "nu": "Immediate discount factor.",
+    "weight_decay_type": '``"grad"`` or ``"direct"`` (see :func:`metadist.optim.qhm`).',
+    "maximize": "Ascend instead of descend.",
+    "foreach": "Multi-tensor kernels (eager only).",
+    "fused": "Fused kernels (eager only).",
+    "decoupled_weight_decay": "AdamW-style weight decay.",
+}
+
+
 def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
     """A functional optimizer class for ``torch_class``: a dataclass of ``params`` and the
     hyperparameters of its constructor (same names, defaults, keyword-only ones; without
@@ -355,12 +383,20 @@ def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
             default = {} if p.default is p.empty else {"default": p.default}
             kw_only = p.kind is p.KEYWORD_ONLY
             fields.append((p.name, Any, dataclasses.field(kw_only=kw_only, **default)))
-    name = "Functional" + torch_class.__name__
-    doc = f"{torch_class.__name__} on explicit gradients; matches ``{torch_class.__module__}."
-    doc += f"{torch_class.__name__}``, whose hyperparameters (names, defaults) it takes."
-    namespace = {"kind": kind, "torch_class": torch_class, "__doc__": doc, **class_vars}
+    name = torch_class.__name__
+    torch_name = "torch" if torch_class.__module__.startswith("torch.") else "metadist"
+    torch_name += f".optim.{name}"
+    doc = [f"{name} on explicit gradients; matches ``{torch_name}``, whose hyperparameters it"]
+    doc += ["takes (same names and defaults).", "", "Args:", "    params: " + _ARGS["params"]]
+    doc += [f"    {f[0]}: {_ARGS.get(f[0], f'As in ``{torch_name}``.')}" for f in fields]
+    namespace = {"kind": kind, "torch_class": torch_class, "__doc__": "\n".join(doc)}
     cls = dataclasses.make_dataclass(
-        name, fields, bases=(FunctionalOptimizer,), namespace=namespace, eq=False, repr=False
+        "Functional" + name,
+        fields,
+        bases=(FunctionalOptimizer,),
+        namespace={**namespace, **class_vars},
+        eq=False,
+        repr=False,
     )
     cls.__module__ = __name__
     return cls

@@ -66,15 +66,29 @@ class DistributedGradScaler:
         self._unscaled: dict[tuple[int, int], bool] = {}
 
     def is_enabled(self) -> bool:
-        """Return whether scaling is on (the ``enabled`` flag given at construction)."""
+        """Return whether scaling is on.
+
+        Returns:
+            The ``enabled`` flag given at construction.
+        """
         return self._enabled
 
     def get_scale(self) -> float:
-        """Return the current scale factor (``1.0`` when disabled)."""
+        """Return the current scale factor.
+
+        Returns:
+            The scale factor (``1.0`` when disabled).
+        """
         return self._scale if self._enabled else 1.0
 
     def scale(self, outputs: T) -> T:
-        """Return ``outputs`` (a loss tensor, or a list/tuple of them) times the scale factor.
+        """Multiply a loss (or a list/tuple of them) by the scale factor.
+
+        Args:
+            outputs: A tensor or a list/tuple of tensors.
+
+        Returns:
+            The scaled tensor(s), same structure.
 
         Raises:
             TypeError: If ``outputs`` holds something other than tensors.
@@ -91,7 +105,16 @@ class DistributedGradScaler:
         """Unscale, on every owner, the gradients ``optimizer.step(context_id)`` will apply
         (before :func:`clip_grad_norm_`, at most once per step).
 
-        Returns whether any owner found an inf/NaN; ``RuntimeError`` if called twice for a step.
+        Args:
+            optimizer: The distributed optimizer.
+            context_id: A distributed-autograd context id created in this process.
+
+        Returns:
+            Whether any owner found an inf/NaN.
+
+        Raises:
+            TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+            RuntimeError: If called twice for the same step.
         """
         check_optimizer(optimizer)
         key = (id(optimizer), context_id)
@@ -108,7 +131,16 @@ class DistributedGradScaler:
     def step(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
         """Step ``optimizer`` unless any owner found an inf/NaN; then every owner skips (a pass
         that only accumulates just steps: the check is on the gradients that get applied).
-        Returns whether the owners updated their parameters (not if they skipped or accumulated).
+
+        Args:
+            optimizer: The distributed optimizer.
+            context_id: A distributed-autograd context id created in this process.
+
+        Returns:
+            Whether the owners updated their parameters (not if they skipped or accumulated).
+
+        Raises:
+            TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
         """
         check_optimizer(optimizer)
         key = (id(optimizer), context_id)
@@ -126,8 +158,13 @@ class DistributedGradScaler:
         return True
 
     def update(self, new_scale: float | None = None) -> None:
-        """Update the scale: back off after an inf/NaN, grow after ``growth_interval`` clean
-        steps, or set ``new_scale`` (a positive finite number; resets the growth tracker).
+        """Update the scale: back off after an inf/NaN, grow after ``growth_interval`` clean steps.
+
+        Args:
+            new_scale: Set this scale instead (resets the growth tracker).
+
+        Raises:
+            ValueError: If ``new_scale`` is not a positive finite number.
         """
         if not self._enabled:
             return
@@ -145,11 +182,22 @@ class DistributedGradScaler:
         self._found_inf_since_update = False
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the scaler's state, under ``torch.amp.GradScaler``'s keys."""
+        """Return the scaler's state (``torch.amp.GradScaler`` keys).
+
+        Returns:
+            ``{"scale": ..., "growth_factor": ..., ..., "_growth_tracker": ...}``.
+        """
         return {key: getattr(self, attr) for key, (attr, _) in _STATE.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (``ValueError`` if a key is missing)."""
+        """Restore a :meth:`state_dict`.
+
+        Args:
+            state_dict: A dict from :meth:`state_dict`.
+
+        Raises:
+            ValueError: If a key is missing.
+        """
         if missing := set(_STATE) - set(state_dict):
             raise ValueError(f"state_dict is missing {sorted(missing)}")
         for key, (attr, kind) in _STATE.items():

@@ -36,11 +36,22 @@ def qhm(
     maximize: bool = False,
     foreach: bool = False,
 ) -> None:
-    """Apply one QHM step to ``params`` in place (TorchScript-compatible), with their gradients
-    ``grads`` (never modified) and dampened ``momentum_buffers`` (updated in place; start them at
-    zero). ``nu = 1`` is plain dampened momentum, ``nu = 0`` plain SGD; ``foreach`` uses torch's
-    multi-tensor kernels (not under TorchScript). ``ValueError`` on an unknown
-    ``weight_decay_type`` (``"grad"`` or ``"direct"``, see the update rule above).
+    """Apply one QHM step to ``params`` in place (TorchScript-compatible).
+
+    Args:
+        params: Parameters to update in place.
+        grads: Their gradients (read only; never modified).
+        momentum_buffers: Their dampened momentum buffers, updated in place. Start them at zero.
+        lr: Learning rate.
+        momentum: Momentum factor ``beta`` in ``[0, 1)``.
+        nu: Immediate discount factor: ``1`` is plain (dampened) momentum, ``0`` is plain SGD.
+        weight_decay: Weight-decay factor.
+        weight_decay_type: ``"grad"`` or ``"direct"`` (see the update rule above).
+        maximize: Ascend instead of descend.
+        foreach: Use torch's multi-tensor kernels (not under TorchScript).
+
+    Raises:
+        ValueError: If ``weight_decay_type`` is neither ``"grad"`` nor ``"direct"``.
     """
     if weight_decay_type != "grad" and weight_decay_type != "direct":
         raise ValueError(
@@ -130,8 +141,17 @@ class QHM(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one QHM step on every parameter that has a ``.grad`` (``RuntimeError`` on a
-        sparse one); return the loss of ``closure`` (which re-evaluates the model), if given."""
+        """Perform one QHM step on every parameter that has a ``.grad``.
+
+        Args:
+            closure: Optional closure that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            RuntimeError: A parameter has a sparse gradient.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -28,10 +28,18 @@ def _check_class(optimizer_class: Any) -> None:
 def register_functional_optimizer(
     optimizer_class: type, functional_class: type | None = None
 ) -> Any:
-    """Register ``functional_class`` (leave out to decorate it) as the functional twin of
-    ``optimizer_class``, and return it: ``DistributedOptimizer(optimizer_class, ...)`` then steps
-    the owners with it (the latest registration wins). Registration is per process: register in a
-    module every worker imports. What a functional class must provide: ``docs/optim.md`` (QHM).
+    """Register ``functional_class`` as the functional twin of ``optimizer_class``.
+
+    ``DistributedOptimizer(optimizer_class, ...)`` then steps the owners with it (the latest
+    registration wins). Registration is per process: register in a module every worker imports.
+    What a functional class must provide: ``docs/optim.md`` (the QHM section).
+
+    Args:
+        optimizer_class: The class users pass to ``DistributedOptimizer``.
+        functional_class: Its functional twin. Leave out to use this as a class decorator.
+
+    Returns:
+        ``functional_class`` (or a decorator that registers and returns its argument).
 
     Raises:
         TypeError: If either argument is not a class, or ``functional_class`` has no ``step``
@@ -62,7 +70,17 @@ def register_functional_optimizer(
 
 def get_functional_optimizer(optimizer_class: type) -> type | None:
     """Return the functional twin registered for ``optimizer_class`` (a functional class maps to
-    itself), or ``None``; ``TypeError`` if ``optimizer_class`` is not a class."""
+    itself), or ``None``.
+
+    Args:
+        optimizer_class: A ``torch.optim.Optimizer`` subclass or a functional class.
+
+    Returns:
+        The registered functional class, ``optimizer_class`` itself, or ``None``.
+
+    Raises:
+        TypeError: If ``optimizer_class`` is not a class.
+    """
     _check_class(optimizer_class)
     with _lock:
         found = _REGISTRY.get(optimizer_class)

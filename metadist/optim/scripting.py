@@ -61,16 +61,11 @@ def _source(optim: FunctionalOptimizer) -> str:
 
 
 @functools.cache
-def _compile(cls: Any, source: str | None) -> tuple[Any, str | None]:
-    """``(compiled, None)`` or ``(None, why not)`` for a functional class: the step of one of
-    metadist's (its ``source``), or a user's class as a TorchScript class. Once per class: torch
-    cannot compile a class again after a failed attempt."""
+def _compile(cls: Any, source: str) -> tuple[Any, str | None]:
+    """``(compiled step, None)`` or ``(None, why not)`` for one of metadist's classes, once per
+    class."""
     try:
-        if not callable(getattr(torch.jit, "script", None)):
-            raise RuntimeError("torch.jit.script is gone")
         with _compile_lock, quiet_torch_warnings():
-            if source is None:
-                return torch.jit.script(cls), None
             env = {**vars(functional), "kernel": functional.plan(cls.kind).kernel, "torch": torch}
             unit = torch.jit.CompilationUnit()
             unit.define(source, rcb=env.get)
@@ -89,34 +84,46 @@ def _why(cls: type, exc: Exception) -> str:
     )
 
 
+# Classes torch failed to compile, and why: it cannot compile a class again after a failure.
+_failed: dict[type, str] = {}
+
+
 def _script(optim: Any) -> Any:
     """The scripted :class:`ScriptedFunctionalOptimizer` of ``optim``; ``RuntimeError(why not)``."""
     cls: Any = type(optim)
     mine = isinstance(optim, FunctionalOptimizer)
-    compiled, problem = _compile(cls, _source(optim) if mine else None)
+    compiled, problem = _compile(cls, _source(optim)) if mine else (None, None)
+    problem = problem or _failed.get(cls)
+    if problem is None and not callable(getattr(torch.jit, "script", None)):
+        problem = f"torch {torch.__version__} has no torch.jit.script"
     if problem is None:
         try:
             with _compile_lock, quiet_torch_warnings():
-                return torch.jit.script(
-                    ScriptedFunctionalOptimizer(optim, compiled if mine else None)
-                )
+                return torch.jit.script(ScriptedFunctionalOptimizer(optim, compiled))
         except Exception as exc:
-            problem = _why(cls, exc)
+            problem = _failed[cls] = _why(cls, exc)
     raise RuntimeError(problem)
 
 
 @functools.cache
 def torchscript_status(functional_class: Any = FunctionalSGD) -> tuple[bool, str | None]:
-    """``(works, problem)``: whether :func:`script_functional_optimizer` compiles instances of
-    ``functional_class`` here (one of metadist's: tried on a one-element instance; a user's: its
-    class compiled; once per process and class), and why ``"auto"`` should not pick it
-    (deprecated, say), or ``None``."""
+    """Whether :func:`script_functional_optimizer` compiles instances of ``functional_class`` here
+    (tried once per process and class on a one-element instance), and why ``"auto"`` should not
+    pick it (deprecated, say).
+
+    Args:
+        functional_class: One of metadist's functional classes. For any other class this says
+            whether TorchScript works here at all (on :class:`FunctionalSGD`); whether the class
+            itself compiles shows when an instance is scripted.
+
+    Returns:
+        ``(works, problem)``: ``problem`` is ``None`` or a sentence naming the torch version.
+    """
+    if not issubclass(functional_class, FunctionalOptimizer):
+        functional_class = FunctionalSGD
     try:
-        if issubclass(functional_class, FunctionalOptimizer):
-            _script(_instance(functional_class))
-        elif (problem := _compile(functional_class, None)[1]) is not None:
-            raise RuntimeError(problem)
-    except Exception as exc:
+        _script(_instance(functional_class))
+    except RuntimeError as exc:
         return False, str(exc)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -130,6 +137,7 @@ def forget() -> None:
     """Forget what :func:`torchscript_status` found (for tests that change ``torch.jit``)."""
     torchscript_status.cache_clear()
     _compile.cache_clear()
+    _failed.clear()
 
 
 def _probe(x: Tensor) -> Tensor:
@@ -148,7 +156,8 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
 
     Args:
         optim: A functional optimizer instance (``step(gradients)``, ``state``, ``defaults``).
-        compiled: Its class's compiled step (metadist's classes) or ``None`` (a user's class).
+        compiled: The step compiled for its class (metadist's classes), or ``None`` (a user's
+            class, compiled as a TorchScript class with the module).
     """
 
     def __init__(self, optim: Any, compiled: Any = None) -> None:
@@ -157,14 +166,14 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
             self.optim = optim
             return
         # metadist's classes share one step through inheritance and call their kernels with
-        # **kwargs, which TorchScript cannot compile: the module holds their containers and the
-        # step compiled for their class.
+        # **kwargs, which TorchScript cannot compile: the module holds their containers, typed,
+        # and the step compiled for their class.
         self.run, self.params = compiled, optim.params
         self.state: Any = torch.jit.Attribute(optim.state, dict[Tensor, dict[str, Tensor]])
         self.defaults: Any = torch.jit.Attribute(optim.defaults, dict[str, float])
         self.flags: Any = torch.jit.Attribute(optim.flags, dict[str, bool])
 
-    # hasattr(self, "optim") is decided at compile time: only the branch that applies compiles.
+    # hasattr(self, "run") is decided at compile time: only the branch that applies compiles.
     @torch.jit.export
     def step(self, gradients: list[Tensor | None]) -> None:
         """Step the held optimizer.
@@ -172,41 +181,63 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         Args:
             gradients: One gradient per parameter, in parameter order; ``None`` skips it.
         """
-        if hasattr(self, "optim"):
-            self.optim.step(gradients)
-        else:
+        if hasattr(self, "run"):
             self.run(self.params, gradients, self.state, self.defaults, self.flags)
+        else:
+            self.optim.step(gradients)
 
     @torch.jit.export
     def get_state(self) -> dict[Tensor, dict[str, Tensor]]:
-        """Return the held optimizer's state (the live tensors), ``{parameter: {name: tensor}}``."""
-        return self.optim.state if hasattr(self, "optim") else self.state
+        """Return the held optimizer's state (the live tensors).
+
+        Returns:
+            ``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it.
+        """
+        return self.state if hasattr(self, "run") else self.optim.state
 
     @torch.jit.export
     def set_state(self, state: dict[Tensor, dict[str, Tensor]]) -> None:
-        """Replace the held optimizer's state (``{}`` starts every parameter afresh)."""
-        if hasattr(self, "optim"):
-            self.optim.state = state
-        else:
+        """Replace the held optimizer's state.
+
+        Args:
+            state: ``{parameter: {name: tensor}}``; ``{}`` starts every parameter afresh.
+        """
+        if hasattr(self, "run"):
             self.state = state
+        else:
+            self.optim.state = state
 
     @torch.jit.export
     def get_defaults(self) -> dict[str, float]:
-        """Return the held optimizer's float hyperparameters, ``{name: value}``."""
-        return self.optim.defaults if hasattr(self, "optim") else self.defaults
+        """Return the held optimizer's float hyperparameters.
+
+        Returns:
+            ``{name: value}``.
+        """
+        return self.defaults if hasattr(self, "run") else self.optim.defaults
 
     @torch.jit.export
     def set_defaults(self, defaults: dict[str, float]) -> None:
-        """Replace the held optimizer's float hyperparameters (a new ``lr``, say)."""
-        if hasattr(self, "optim"):
-            self.optim.defaults = defaults
-        else:
+        """Replace the held optimizer's float hyperparameters.
+
+        Args:
+            defaults: ``{name: value}``, e.g. with a new ``lr`` from a scheduler.
+        """
+        if hasattr(self, "run"):
             self.defaults = defaults
+        else:
+            self.optim.defaults = defaults
 
 
 def script_functional_optimizer(optim: Any) -> Any:
-    """Compile ``optim``, a functional optimizer instance built with ``foreach=False`` and
-    ``fused=False``, with TorchScript; return the scripted :class:`ScriptedFunctionalOptimizer`.
+    """Compile ``optim`` (a functional optimizer instance) with TorchScript.
+
+    Args:
+        optim: An instance of a TorchScript-compatible functional optimizer built with
+            ``foreach=False`` and ``fused=False``.
+
+    Returns:
+        A scripted :class:`ScriptedFunctionalOptimizer`.
 
     Raises:
         TypeError: If ``optim`` is not a functional optimizer instance (checked before compiling).
