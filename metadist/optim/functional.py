@@ -399,6 +399,9 @@ def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
         repr=False,
     )
     cls.__module__ = __name__
+    # The fields are documented under Args; autodoc finds no source to document a field without
+    # a default (QHM's lr) as an attribute, and would warn.
+    cls.__annotations__ = {}
     return cls
 
 
