@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: install test soak scale lint format docs maml bench bench-deps clean
+.PHONY: install test test-torch soak scale lint format docs maml bench bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,22 @@ install: $(PY)
 
 test:
 	$(PY) -m pytest -m "not soak and not scale" tests
+
+# The same suite on another torch of the range pyproject accepts, in an environment of its own:
+# `make test-torch TORCH=2.14.1` (.venv-torch-2.14.1). A torch not on this disk comes from PyPI
+# with pip's local configuration ignored: `make test-torch TORCH=2.15.0 PIP_CONFIG_FILE=/dev/null`.
+TORCH ?= 2.14.1
+TVENV := .venv-torch-$(TORCH)
+
+$(TVENV)/.installed:
+	$(PYTHON) -m venv $(TVENV)
+	echo "*" > $(TVENV)/.gitignore
+	$(TVENV)/bin/python -m pip install -q --upgrade pip
+	$(TVENV)/bin/python -m pip install -q "torch==$(TORCH)" -e ".[dev,examples]"
+	touch $@
+
+test-torch: $(TVENV)/.installed
+	$(TVENV)/bin/python -m pytest -m "not soak and not scale" tests
 
 soak:
 	$(PY) -m pytest -m soak -s tests

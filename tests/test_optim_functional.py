@@ -34,6 +34,7 @@ from metadist.optim import (
     script_functional_optimizer,
 )
 from metadist.optim import scripting as _scripting
+from metadist.optim.scripting import torchscript_status
 
 STEPS = 20
 SHAPES = [(3, 4), (5,), (2, 2, 2), (1,)]
@@ -113,6 +114,14 @@ def _make(
     return optim
 
 
+def _assert_cannot_script(optim: Any) -> None:
+    """Where torch cannot compile a class, scripting it fails naming the version and the fix."""
+    name, version = type(optim).__name__, re.escape(torch.__version__)
+    message = rf"cannot script {name}: TorchScript in torch {version} cannot compile.*eagerly"
+    with pytest.raises(RuntimeError, match=message):
+        script_functional_optimizer(optim)
+
+
 @pytest.mark.parametrize(
     ("torch_class", "functional_class", "kwargs", "kernel"),
     [
@@ -124,6 +133,9 @@ def _make(
 def test_functional_matches_torch_optim(
     torch_class: type, functional_class: type, kwargs: dict[str, Any], kernel: str
 ) -> None:
+    if kernel == "scripted" and not torchscript_status(functional_class)[0]:
+        _assert_cannot_script(functional_class([torch.zeros(1)], **kwargs))
+        return
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=gen) for s in SHAPES]
     ref_params = [torch.nn.Parameter(t.clone()) for t in init]
@@ -382,7 +394,7 @@ def test_torchscript_removed(
         raise RuntimeError("TorchScript has been removed")
 
     monkeypatch.setattr(torch.jit, "script", refuse)
-    _scripting.torchscript_status.cache_clear()
+    _scripting.forget()
     _local._log_eager_fallback.cache_clear()
     try:
         assert _scripting.torchscript_status()[0] is False
@@ -406,7 +418,7 @@ def test_torchscript_removed(
         with pytest.raises(RuntimeError, match=rf"torch {version}.*eagerly"):
             script_functional_optimizer(FunctionalSGD([torch.ones(1)], lr=0.1))
     finally:
-        _scripting.torchscript_status.cache_clear()
+        _scripting.forget()
         _local._log_eager_fallback.cache_clear()
 
 
@@ -473,3 +485,33 @@ def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[s
     optim.step(full)
     assert optim._flat is not None
     assert all(not torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("functional_class", "kwargs"),
+    [pytest.param(f, k, id=f"{f.__name__}-{n}") for n, (_, f, k) in enumerate(CASES)]
+    + [pytest.param(FunctionalQHM, {"lr": 0.1, "momentum": 0.9, "nu": 0.7}, id="FunctionalQHM")],
+)
+def test_scripted_and_eager_are_bit_identical(
+    functional_class: type, kwargs: dict[str, Any]
+) -> None:
+    """Wherever this torch scripts a class, its scripted step gives the eager one's parameters
+    and state bit for bit; where it cannot, the status says so and scripting fails clearly."""
+    gen = torch.Generator().manual_seed(7)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    eager_params, scripted_params = [t.clone() for t in init], [t.clone() for t in init]
+    eager = functional_class(eager_params, **kwargs)
+    if not torchscript_status(functional_class)[0]:
+        _assert_cannot_script(functional_class(scripted_params, **kwargs))
+        return
+    scripted = script_functional_optimizer(functional_class(scripted_params, **kwargs))
+    for grads in _grad_plan(8):
+        eager.step(grads)
+        scripted.step(grads)
+    for a, b in zip(eager_params, scripted_params, strict=True):
+        assert torch.equal(a, b)
+    state = scripted.get_state()
+    for p, q in zip(eager_params, scripted_params, strict=True):
+        assert set(eager.state.get(p, {})) == set(state.get(q, {}))
+        for key, value in eager.state.get(p, {}).items():
+            assert torch.equal(value, state[q][key]), key

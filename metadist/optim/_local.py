@@ -119,7 +119,7 @@ class LocalOptimizer:
         mode = spec.mode
         if mode == "auto":
             mode = "eager" if "foreach" in accepted or "fused" in accepted else "scripted"
-            problem = torchscript_status()[1] if mode == "scripted" else None
+            problem = torchscript_status(functional_class)[1] if mode == "scripted" else None
             if problem is not None:
                 _log_eager_fallback(functional_class.__name__, problem)
                 mode = "eager"
@@ -133,8 +133,15 @@ class LocalOptimizer:
             self.kernel = eager_kernel(accepted, params, foreach, fused)
             if self.kernel != "single-tensor":
                 kwargs[self.kernel] = True
-        functional = functional_class(params, **kwargs)
-        self.optim = script_functional_optimizer(functional) if mode == "scripted" else functional
+        self.optim = functional = functional_class(params, **kwargs)
+        if mode == "scripted":
+            try:
+                self.optim = script_functional_optimizer(functional)
+            except RuntimeError as exc:
+                if spec.mode != "auto":
+                    raise
+                _log_eager_fallback(functional_class.__name__, str(exc))  # its own class failed
+                self.mode = "eager"
 
     def _get(self, name: str) -> Any:
         """The optimizer's ``state`` or ``defaults`` (a scripted module's come by method)."""
@@ -229,11 +236,10 @@ class LocalOptimizer:
                 grads = [None if g is None else g * inv_scale for g in grads]
                 found_inf = any(not bool(torch.isfinite(g).all()) for g in grads if g is not None)
             self.staged[context_id] = grads
+            if norm_type is None:
+                return found_inf, None
             present = [g for g in grads if g is not None]
-            if norm_type is None or not present:
-                return found_inf, None if norm_type is None else torch.zeros(())
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in present])
-            return found_inf, torch.linalg.vector_norm(norms, norm_type)
+            return found_inf, torch.nn.utils.get_total_norm(present, norm_type)
 
     def state(self) -> tuple[list[dict[str, Any] | None], list[Tensor | None] | None]:
         """Copies of the optimizer state (one entry per parameter) and of the open window."""

@@ -165,7 +165,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             self._owner_indices.setdefault(owner, []).append(i)
         modes = _resolve_modes(mode, set(self._owner_indices))
-        if "scripted" in modes.values() and not (status := torchscript_status())[0]:
+        scripted = functional_class is not None and "scripted" in modes.values()
+        if scripted and not (status := torchscript_status(functional_class))[0]:
             raise RuntimeError(
                 f"mode='scripted' needs TorchScript: {status[1]}. Use mode='eager' (or "
                 "'auto'), which steps the same functional optimizer without compiling it"

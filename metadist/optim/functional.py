@@ -1,5 +1,5 @@
-# _step, _collect and Scriptable are compiled by TorchScript: no zip(strict=), no `not in {...}`.
-# ruff: noqa: B905, PLR0917, PLR1714
+# collect, active, lazy, keep and wd_type also run under TorchScript: no zip(strict=), no `not in`.
+# ruff: noqa: B905, PLR0917
 """Functional optimizers: one dataclass of hyperparameters per algorithm, one ``step`` for all.
 
 Each class takes ``(params, <its torch.optim class's hyperparameters>)``, checked by that class's
@@ -21,20 +21,21 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
-
-# Imported by name: TorchScript resolves free functions, not ``torch.optim.x.x`` attribute chains.
-from torch.optim.adadelta import adadelta as _adadelta
-from torch.optim.adagrad import adagrad as _adagrad
-from torch.optim.adam import adam as _adam
-from torch.optim.adamax import adamax as _adamax
-from torch.optim.rmsprop import rmsprop as _rmsprop
-from torch.optim.rprop import rprop as _rprop
-from torch.optim.sgd import sgd as _sgd
+from torch.optim.adadelta import adadelta
+from torch.optim.adagrad import adagrad
+from torch.optim.adam import adam
+from torch.optim.adamax import adamax
+from torch.optim.adamw import adamw
+from torch.optim.rmsprop import rmsprop
+from torch.optim.rprop import rprop
+from torch.optim.sgd import sgd
 
 from metadist.optim.qhm import QHM, qhm
 
@@ -49,7 +50,6 @@ __all__ = [
     "FunctionalRMSprop",
     "FunctionalRprop",
     "FunctionalSGD",
-    "Scriptable",
     "TUPLE_KEYS",
     "flat_hparams",
 ]
@@ -74,248 +74,131 @@ def flat_hparams(hparams: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _check_count(num_params: int, num_gradients: int) -> None:
+def check_count(num_params: int, num_gradients: int) -> None:
+    """Raise ``ValueError`` unless there is one gradient per parameter."""
     if num_params != num_gradients:
         raise ValueError(
             f"gradients has {num_gradients} entries, expected one per parameter ({num_params})"
         )
 
 
-def _collect(
+def active(switches: list[str], d: dict[str, float], f: dict[str, bool]) -> list[bool]:
+    """Which state lists are in use: those with no switch (``""``), or whose switch, a flag or a
+    hyperparameter (``amsgrad``, ``momentum``), is set."""
+    out: list[bool] = []
+    for name in switches:
+        out.append(name == "" or f.get(name, False) or d.get(name, 0.0) != 0.0)
+    return out
+
+
+def collect(
     params: list[Tensor],
     gradients: list[Tensor | None],
     state: dict[Tensor, dict[str, Tensor]],
     names: list[str],
+    used: list[bool],
     fills: list[float],
     fused: bool,
-) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]]]:
-    """Parameters that have a gradient, their gradients, and one list per state name; state is
-    created at a parameter's first step as torch.optim creates it (``"step"``: a scalar, float32 on
-    the parameter's device for fused kernels, else on the CPU; others: ``fills[i]`` like ``p``).
-    """
-    _check_count(len(params), len(gradients))
+) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], bool, bool]:
+    """Parameters that have a gradient, their gradients, one list per state name (empty where not
+    ``used``), and whether any parameter is complex or any gradient sparse. State is created at a
+    parameter's first step as torch.optim creates it (``"step"``: a scalar, float32 on the
+    parameter's device for fused kernels, else on the CPU; others: ``fills[i]`` like ``p``)."""
+    check_count(len(params), len(gradients))
     kept: list[Tensor] = []
     grads: list[Tensor] = []
     lists: list[list[Tensor]] = []
     for _ in names:
         lists.append(torch.jit.annotate(list[Tensor], []))
+    cplx, sparse = False, False
     for p, g in zip(params, gradients):
         if g is not None:
             kept.append(p)
             grads.append(g)
-            if len(names) > 0:  # (SGD keeps its optional buffers itself)
-                if p not in state:
-                    entry = torch.jit.annotate(dict[str, Tensor], {})
-                    for i, name in enumerate(names):
+            cplx, sparse = cplx or torch.is_complex(p), sparse or g.is_sparse
+            if p not in state:
+                state[p] = torch.jit.annotate(dict[str, Tensor], {})
+            entry = state[p]
+            for i, name in enumerate(names):
+                if used[i]:
+                    if name not in entry:
                         if name != "step":
                             entry[name] = torch.full_like(p, fills[i])
                         elif fused:
                             entry[name] = torch.zeros((), dtype=torch.float32, device=p.device)
                         else:
                             entry[name] = torch.tensor(0.0)
-                    state[p] = entry
-                for i in range(len(names)):
-                    lists[i].append(state[p][names[i]])
-    return kept, grads, lists
+                    lists[i].append(entry[name])
+            if len(entry) == 0:  # (SGD without momentum keeps nothing)
+                del state[p]
+    return kept, grads, lists, cplx, sparse
 
 
-def _state_names(kind: str, d: dict[str, float], f: dict[str, bool]) -> list[str]:
-    if kind == "adam" or kind == "adamw":
-        names = ["step", "exp_avg", "exp_avg_sq"]
-        if f["amsgrad"]:
-            names.append("max_exp_avg_sq")
-        return names
-    if kind == "rmsprop":
-        names = ["step", "square_avg"]
-        if d["momentum"] > 0.0:
-            names.append("momentum_buffer")
-        if f["centered"]:
-            names.append("grad_avg")
-        return names
-    if kind == "adagrad":
-        return ["step", "sum"]
-    if kind == "adamax":
-        return ["step", "exp_avg", "exp_inf"]
-    if kind == "adadelta":
-        return ["step", "square_avg", "acc_delta"]
-    if kind == "rprop":
-        return ["step", "prev", "step_size"]
-    if kind == "qhm":
-        return ["momentum_buffer"]
-    return torch.jit.annotate(list[str], [])  # sgd: torch's kernel creates its buffers
+def lazy(
+    kept: list[Tensor], state: dict[Tensor, dict[str, Tensor]], name: str
+) -> list[Tensor | None]:
+    """A state list the kernel fills in itself (SGD's momentum buffers): ``None`` where absent."""
+    out: list[Tensor | None] = []
+    for p in kept:
+        out.append(state[p][name] if p in state else None)
+    return out
 
 
-def _step(
-    kind: str,
-    params: list[Tensor],
-    gradients: list[Tensor | None],
-    state: dict[Tensor, dict[str, Tensor]],
-    d: dict[str, float],
-    f: dict[str, bool],
+def keep(
+    kept: list[Tensor], bufs: list[Tensor | None], state: dict[Tensor, dict[str, Tensor]], name: str
 ) -> None:
-    """The step of every optimizer here: collect the lists, then run torch's kernel for ``kind``."""
-    names = _state_names(kind, d, f)
-    # Rprop's step size starts at lr, all other state at zero (Adagrad's is made up front).
-    fills = [0.0, 0.0, d["lr"] if kind == "rprop" else 0.0, 0.0]
-    fused = f.get("fused", False)
-    kept, g, s = _collect(params, gradients, state, names, fills, fused)
-    cplx = False
-    if kind != "sgd" and kind != "qhm":  # the kernels that take has_complex
-        for p in kept:
-            cplx = cplx or torch.is_complex(p)
-    foreach, maximize, lr, wd = f["foreach"], f["maximize"], d["lr"], d.get("weight_decay", 0.0)
-    with torch.no_grad():
-        if kind == "sgd":
-            bufs: list[Tensor | None] = []
-            for p in kept:  # plain SGD keeps no buffers: skip the lookups
-                has = d["momentum"] != 0.0 and p in state
-                bufs.append(state[p]["momentum_buffer"] if has else None)
-            _sgd(
-                kept,
-                g,
-                bufs,
-                foreach=foreach,
-                fused=fused,
-                weight_decay=wd,
-                momentum=d["momentum"],
-                lr=lr,
-                dampening=d["dampening"],
-                nesterov=f["nesterov"],
-                maximize=maximize,
-            )
-            if d["momentum"] != 0.0:  # keep the buffers torch's sgd created
-                for p, buf in zip(kept, bufs):
-                    if buf is not None:
-                        state[p] = {"momentum_buffer": buf}
-        elif kind == "adam" or kind == "adamw":
-            _adam(
-                kept,
-                g,
-                s[1],
-                s[2],
-                s[3] if f["amsgrad"] else [],
-                s[0],
-                foreach=foreach,
-                fused=fused,
-                has_complex=cplx,
-                decoupled_weight_decay=kind == "adamw" or f.get("decoupled_weight_decay", False),
-                amsgrad=f["amsgrad"],
-                beta1=d["beta1"],
-                beta2=d["beta2"],
-                lr=lr,
-                weight_decay=wd,
-                eps=d["eps"],
-                maximize=maximize,
-            )
-        elif kind == "adagrad":
-            sparse = False
-            for grad in g:
-                sparse = sparse or grad.is_sparse
-            _adagrad(
-                kept,
-                g,
-                s[1],
-                s[0],
-                fused=fused,
-                has_sparse_grad=sparse,
-                foreach=foreach,
-                has_complex=cplx,
-                lr=lr,
-                weight_decay=wd,
-                lr_decay=d["lr_decay"],
-                eps=d["eps"],
-                maximize=maximize,
-            )
-        elif kind == "rmsprop":
-            _rmsprop(
-                kept,
-                g,
-                s[1],
-                s[-1] if f["centered"] else [],
-                s[2] if d["momentum"] > 0.0 else [],
-                s[0],
-                foreach=foreach,
-                maximize=maximize,
-                has_complex=cplx,
-                lr=lr,
-                alpha=d["alpha"],
-                eps=d["eps"],
-                weight_decay=wd,
-                momentum=d["momentum"],
-                centered=f["centered"],
-            )
-        elif kind == "adamax":
-            _adamax(
-                kept,
-                g,
-                s[1],
-                s[2],
-                s[0],
-                foreach=foreach,
-                maximize=maximize,
-                has_complex=cplx,
-                eps=d["eps"],
-                beta1=d["beta1"],
-                beta2=d["beta2"],
-                lr=lr,
-                weight_decay=wd,
-            )
-        elif kind == "adadelta":
-            _adadelta(
-                kept,
-                g,
-                s[1],
-                s[2],
-                s[0],
-                foreach=foreach,
-                has_complex=cplx,
-                lr=lr,
-                rho=d["rho"],
-                eps=d["eps"],
-                weight_decay=wd,
-                maximize=maximize,
-            )
-        elif kind == "rprop":
-            _rprop(
-                kept,
-                g,
-                s[1],
-                s[2],
-                s[0],
-                foreach=foreach,
-                maximize=maximize,
-                has_complex=cplx,
-                step_size_min=d["step_size_min"],
-                step_size_max=d["step_size_max"],
-                etaminus=d["etaminus"],
-                etaplus=d["etaplus"],
-            )
-        else:
-            wd_type = "direct" if f["direct_weight_decay"] else "grad"
-            qhm(kept, g, s[0], lr, d["momentum"], d["nu"], wd, wd_type, maximize, foreach)
+    """Keep the entries of a list the kernel filled in (see :func:`lazy`)."""
+    for p, buf in zip(kept, bufs):
+        if buf is not None:
+            state[p] = {name: buf}
 
 
-class Scriptable:
-    """A functional optimizer as the one class TorchScript compiles (it has no inheritance): the
-    containers of a :class:`FunctionalOptimizer` and its ``kind`` (``"sgd"``, ``"adam"``, ...)."""
+def wd_type(f: dict[str, bool]) -> str:
+    """QHM's ``weight_decay_type``, kept as a flag (``self.flags`` holds bools only)."""
+    return "direct" if f.get("direct_weight_decay", False) else "grad"
 
-    def __init__(
-        self,
-        kind: str,
-        params: list[Tensor],
-        state: dict[Tensor, dict[str, Tensor]],
-        defaults: dict[str, float],
-        flags: dict[str, bool],
-    ) -> None:
-        self.kind = kind
-        self.params = params
-        self.state = state
-        self.defaults = defaults
-        self.flags = flags
 
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """See :meth:`FunctionalOptimizer.step`."""
-        _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
+class Plan(NamedTuple):
+    """How to call a functional kernel: its state lists by state name, in order (``lazy``: the one
+    it fills in itself, or ``""``), and the names of its other arguments."""
+
+    kernel: Callable[..., None]
+    names: list[str]
+    lazy: str
+    keywords: list[str]
+
+
+# The kernel of each kind; its signature tells the rest (see :func:`plan`).
+KERNELS: dict[str, Callable[..., None]] = {
+    "sgd": sgd,
+    "adam": adam,
+    "adamw": adamw,
+    "adagrad": adagrad,
+    "rmsprop": rmsprop,
+    "adamax": adamax,
+    "adadelta": adadelta,
+    "rprop": rprop,
+    "qhm": qhm,
+}
+
+
+@functools.cache
+def plan(kind: str) -> Plan:
+    """Read how to call ``kind``'s kernel from its signature: after ``params`` and ``grads`` come
+    its state lists, named after the state torch.optim keeps (``exp_avg_sqs``: ``exp_avg_sq``,
+    ``state_steps``: ``step``, ``momentum_buffer_list``: ``momentum_buffer``)."""
+    kernel = KERNELS[kind]
+    names, lazy_name, keywords = [], "", []
+    for param in list(inspect.signature(kernel).parameters.values())[2:]:
+        annotation = str(param.annotation)
+        if not annotation.startswith(("list[", "List[")):
+            keywords.append(param.name)
+            continue
+        name = param.name.removeprefix("state_")
+        names.append(name.removesuffix("_list") if name.endswith("_list") else name[:-1])
+        if "None" in annotation or "Optional" in annotation:
+            lazy_name = names[-1]
+    return Plan(kernel, names, lazy_name, keywords)
 
 
 # Below this mean element count per parameter, one fused Adam call over flat buffers beats
@@ -369,8 +252,13 @@ class FunctionalOptimizer:
     """What the functional optimizers share. Each one is a dataclass of its constructor's
     arguments (which keep the constructor's values; ``defaults`` holds the ones ``step`` uses)."""
 
-    kind: ClassVar[str] = ""
+    kind: ClassVar[str] = ""  # the key of its kernel in KERNELS
     torch_class: ClassVar[type]  # whose constructor checks the hyperparameters
+    # State kept only while a flag or hyperparameter is set, and state that starts at a
+    # hyperparameter's value rather than at zero.
+    switches: ClassVar[dict[str, str]] = {}
+    fills: ClassVar[dict[str, str]] = {}
+    upfront: ClassVar[bool] = False  # state made at construction (Adagrad's), not at first step
     params: list[Tensor]
 
     def __post_init__(self) -> None:
@@ -380,7 +268,11 @@ class FunctionalOptimizer:
         self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)
         self.defaults = flat_hparams(hyper)
         self.flags = {k: bool(v) for k, v in hyper.items() if isinstance(v, bool) or v is None}
+        # QHM's weight_decay_type, as a flag: the containers TorchScript gets hold floats and bools.
+        self.flags["direct_weight_decay"] = hyper.get("weight_decay_type") == "direct"
         self.state = {}
+        if self.upfront:
+            self.collect(self.params, list(self.params), self.state)
         # Flat stepping pays off for fused Adam/AdamW over many small real tensors of one kind
         # (SGD's update is too cheap to win back the copies).
         self._flattens = (
@@ -412,7 +304,7 @@ class FunctionalOptimizer:
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
         """
-        _check_count(len(self.params), len(gradients))
+        check_count(len(self.params), len(gradients))
         if self._flattens and all(g is not None for g in gradients):
             if self._flat is None and _Flat.adoptable(self.params, self.state):
                 self._flat = _Flat(self.params, self.state)
@@ -421,156 +313,36 @@ class FunctionalOptimizer:
                 with torch.no_grad():
                     torch._foreach_copy_(flat.param_views, self.params)
                     torch._foreach_copy_(flat.grad_views, gradients)  # type: ignore[arg-type]
-                    _step(
-                        self.kind, [flat.param], [flat.grad], flat.state, self.defaults, self.flags
-                    )
+                    self._run([flat.param], [flat.grad], flat.state)
                     torch._foreach_copy_(self.params, flat.param_views)
                 return
         if self._flat is not None:
             _Flat.release(self.state)
             self._flat = None
-        _step(self.kind, self.params, gradients, self.state, self.defaults, self.flags)
+        self._run(self.params, gradients, self.state)
 
-    def scriptable(self) -> Scriptable:
-        """Return this optimizer as a :class:`Scriptable` sharing its containers."""
-        return Scriptable(self.kind, self.params, self.state, self.defaults, self.flags)
+    def collect(self, params: list[Tensor], gradients: list[Tensor | None], state: Any) -> Any:
+        """:func:`collect` for this optimizer's kernel (the state it keeps, and their fills)."""
+        names = [n for n in plan(self.kind).names if n != plan(self.kind).lazy]
+        used = active([self.switches.get(n, "") for n in names], self.defaults, self.flags)
+        fills = [self.defaults[self.fills[n]] if n in self.fills else 0.0 for n in names]
+        return collect(params, gradients, state, names, used, fills, self.flags.get("fused", False))
 
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalSGD(FunctionalOptimizer):
-    """SGD; matches ``torch.optim.SGD``."""
-
-    kind, torch_class = "sgd", torch.optim.SGD
-    lr: float = 1e-3
-    momentum: float = 0.0
-    dampening: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    maximize: bool = False
-    foreach: bool = False
-    fused: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdam(FunctionalOptimizer):
-    """Adam; matches ``torch.optim.Adam``."""
-
-    kind, torch_class = "adam", torch.optim.Adam
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    amsgrad: bool = False
-    maximize: bool = False
-    foreach: bool = False
-    fused: bool = False
-    decoupled_weight_decay: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdamW(FunctionalOptimizer):
-    """AdamW; matches ``torch.optim.AdamW``."""
-
-    kind, torch_class = "adamw", torch.optim.AdamW
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-2
-    amsgrad: bool = False
-    maximize: bool = False
-    foreach: bool = False
-    fused: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdagrad(FunctionalOptimizer):
-    """Adagrad; matches ``torch.optim.Adagrad`` (whose state exists from construction on)."""
-
-    kind, torch_class = "adagrad", torch.optim.Adagrad
-    lr: float = 1e-2
-    lr_decay: float = 0.0
-    weight_decay: float = 0.0
-    initial_accumulator_value: float = 0.0
-    eps: float = 1e-10
-    maximize: bool = False
-    foreach: bool = False
-    fused: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        fills = [0.0, self.initial_accumulator_value]
-        _collect(self.params, list(self.params), self.state, ["step", "sum"], fills, self.fused)
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalRMSprop(FunctionalOptimizer):
-    """RMSprop; matches ``torch.optim.RMSprop``."""
-
-    kind, torch_class = "rmsprop", torch.optim.RMSprop
-    lr: float = 1e-2
-    alpha: float = 0.99
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    centered: bool = False
-    maximize: bool = False
-    foreach: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdamax(FunctionalOptimizer):
-    """Adamax; matches ``torch.optim.Adamax``."""
-
-    kind, torch_class = "adamax", torch.optim.Adamax
-    lr: float = 2e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    maximize: bool = False
-    foreach: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalAdadelta(FunctionalOptimizer):
-    """Adadelta; matches ``torch.optim.Adadelta``."""
-
-    kind, torch_class = "adadelta", torch.optim.Adadelta
-    lr: float = 1.0
-    rho: float = 0.9
-    eps: float = 1e-6
-    weight_decay: float = 0.0
-    maximize: bool = False
-    foreach: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalRprop(FunctionalOptimizer):
-    """Rprop; matches ``torch.optim.Rprop``."""
-
-    kind, torch_class = "rprop", torch.optim.Rprop
-    lr: float = 1e-2
-    etas: tuple[float, float] = (0.5, 1.2)
-    step_sizes: tuple[float, float] = (1e-6, 50.0)
-    maximize: bool = False
-    foreach: bool = False
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class FunctionalQHM(FunctionalOptimizer):
-    """Quasi-hyperbolic momentum, the functional twin of :class:`metadist.optim.QHM`."""
-
-    kind, torch_class = "qhm", QHM
-    lr: float
-    momentum: float
-    nu: float
-    weight_decay: float = 0.0
-    weight_decay_type: str = "grad"
-    maximize: bool = False
-    foreach: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.flags["direct_weight_decay"] = self.weight_decay_type == "direct"
+    def _run(self, params: list[Tensor], gradients: list[Tensor | None], state: Any) -> None:
+        # torch's kernel for this kind, with every argument it takes that is known here.
+        kernel, names, lazy_name, keywords = plan(self.kind)
+        kept, grads, lists, cplx, sparse = self.collect(params, gradients, state)
+        values: dict[str, Any] = {**self.defaults, **self.flags}
+        values.update(
+            has_complex=cplx, has_sparse_grad=sparse, weight_decay_type=wd_type(self.flags)
+        )
+        stored = iter(lists)
+        bufs = lazy(kept, state, lazy_name) if lazy_name else []
+        args = [bufs if n == lazy_name else next(stored) for n in names]
+        with torch.no_grad():
+            kernel(kept, grads, *args, **{k: values[k] for k in keywords if k in values})
+        if lazy_name and active([self.switches[lazy_name]], self.defaults, self.flags)[0]:
+            keep(kept, bufs, state, lazy_name)
 
 
 # Each argument described once for every class that takes it (the Args of their docstrings).
@@ -599,8 +371,51 @@ _ARGS = {
     "fused": "Fused kernels (eager only).",
     "decoupled_weight_decay": "AdamW-style weight decay.",
 }
-for _cls in FunctionalOptimizer.__subclasses__():
-    _cls.__doc__ = "\n".join(
-        [inspect.cleandoc(_cls.__doc__ or ""), "", "Args:"]
-        + [f"    {f.name}: {_ARGS[f.name]}" for f in dataclasses.fields(_cls)]
+
+
+def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
+    """A functional optimizer class for ``torch_class``: a dataclass of ``params`` and the
+    hyperparameters of its constructor (same names, defaults, keyword-only ones; without
+    ``capturable`` and ``differentiable``, which stepping outside autograd and graphs excludes)."""
+    fields: list[Any] = []
+    for p in list(inspect.signature(torch_class).parameters.values())[1:]:
+        if p.name not in ("capturable", "differentiable"):
+            default = {} if p.default is p.empty else {"default": p.default}
+            kw_only = p.kind is p.KEYWORD_ONLY
+            fields.append((p.name, Any, dataclasses.field(kw_only=kw_only, **default)))
+    name = torch_class.__name__
+    torch_name = "torch" if torch_class.__module__.startswith("torch.") else "metadist"
+    torch_name += f".optim.{name}"
+    doc = [f"{name} on explicit gradients; matches ``{torch_name}``, whose hyperparameters it"]
+    doc += ["takes (same names and defaults).", "", "Args:", "    params: " + _ARGS["params"]]
+    doc += [f"    {f[0]}: {_ARGS.get(f[0], f'As in ``{torch_name}``.')}" for f in fields]
+    namespace = {"kind": kind, "torch_class": torch_class, "__doc__": "\n".join(doc)}
+    cls = dataclasses.make_dataclass(
+        "Functional" + name,
+        fields,
+        bases=(FunctionalOptimizer,),
+        namespace={**namespace, **class_vars},
+        eq=False,
+        repr=False,
     )
+    cls.__module__ = __name__
+    # The fields are documented under Args; autodoc finds no source to document a field without
+    # a default (QHM's lr) as an attribute, and would warn.
+    cls.__annotations__ = {}
+    return cls
+
+
+FunctionalSGD = _functional(torch.optim.SGD, "sgd", switches={"momentum_buffer": "momentum"})
+FunctionalAdam = _functional(torch.optim.Adam, "adam", switches={"max_exp_avg_sq": "amsgrad"})
+FunctionalAdamW = _functional(torch.optim.AdamW, "adamw", switches={"max_exp_avg_sq": "amsgrad"})
+# Adagrad's state exists from construction on, starting at initial_accumulator_value.
+FunctionalAdagrad = _functional(
+    torch.optim.Adagrad, "adagrad", fills={"sum": "initial_accumulator_value"}, upfront=True
+)
+FunctionalRMSprop = _functional(
+    torch.optim.RMSprop, "rmsprop", switches={"grad_avg": "centered", "momentum_buffer": "momentum"}
+)
+FunctionalAdamax = _functional(torch.optim.Adamax, "adamax")
+FunctionalAdadelta = _functional(torch.optim.Adadelta, "adadelta")
+FunctionalRprop = _functional(torch.optim.Rprop, "rprop", fills={"step_size": "lr"})
+FunctionalQHM = _functional(QHM, "qhm")
