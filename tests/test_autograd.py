@@ -14,7 +14,6 @@ under its own test id.
 from __future__ import annotations
 
 import copy
-import functools
 import gc
 import resource
 import threading
@@ -27,9 +26,8 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from _dist import Scenarios, run_scenarios
+from _maml import maml_loss, maml_setup, rel_err
 from torch import nn
-from torch.func import functional_call
-from torch.nn.functional import cross_entropy, relu
 
 import metadist as md
 from metadist import autograd as mag
@@ -807,55 +805,6 @@ def scale(x: torch.Tensor) -> torch.Tensor:
     return x * 1.001
 
 
-class ConvNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 4 * 4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(relu(self.bn(self.conv(x))).flatten(1))
-
-
-def maml_loss(
-    model: nn.Module,
-    x_spt: torch.Tensor,
-    y_spt: torch.Tensor,
-    x_qry: torch.Tensor,
-    y_qry: torch.Tensor,
-) -> torch.Tensor:
-    """Mean query loss over this partition's tasks after 2 inner SGD steps (torch.func)."""
-    params = dict(model.named_parameters())
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
-
-    # BatchNorm updates its running statistics in place: inside torch.func.grad they must be
-    # an input of the transformed function, not captured.
-    def inner(
-        p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
-    ) -> torch.Tensor:
-        return cross_entropy(functional_call(model, (p, b), (x,)), y)
-
-    losses = []
-    for t in range(x_spt.shape[0]):
-        fast = params
-        for _ in range(2):
-            grads = torch.func.grad(inner)(fast, buffers, x_spt[t], y_spt[t])
-            fast = {k: fast[k] - 0.4 * grads[k] for k in fast}
-        losses.append(inner(fast, buffers, x_qry[t], y_qry[t]))
-    return torch.stack(losses).mean()
-
-
-def _tasks(seed: int, n_tasks: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(n_tasks, 5, 1, 6, 6, generator=g),
-        torch.randint(0, 3, (n_tasks, 5), generator=g),
-        torch.randn(n_tasks, 5, 1, 6, 6, generator=g),
-        torch.randint(0, 3, (n_tasks, 5), generator=g),
-    )
-
-
 def _bounded(seconds: float, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` in a thread: a regression that hangs fails here, not at the world's timeout."""
     outcome: list[tuple[bool, Any]] = []
@@ -876,25 +825,8 @@ def _bounded(seconds: float, fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-@functools.cache
-def _maml_setup() -> tuple[
-    ConvNet, tuple[torch.Tensor, ...], list[nn.Parameter], tuple[torch.Tensor, ...]
-]:
-    """The model, 7 tasks (3, 2, 2 over 3 workers) and the single-process meta-gradient."""
-    torch.manual_seed(0)
-    model = ConvNet()
-    tasks = _tasks(1, 7)
-    params = list(model.parameters())
-    ref_grads = torch.autograd.grad(maml_loss(model, *tasks), params)
-    return model, tasks, params, ref_grads
-
-
 def meta_gradients_match_single_process(world_size: int) -> None:
-    model, tasks, params, ref_grads = _maml_setup()
+    model, tasks, params, ref_grads = maml_setup()
     running_mean = model.bn.running_mean.clone()
     model.zero_grad(set_to_none=True)
     # Distributed meta-gradients, as the MAML example writes them.
@@ -913,14 +845,14 @@ def meta_gradients_match_single_process(world_size: int) -> None:
     model.zero_grad(set_to_none=True)
     ref_loss = maml_loss(model, *tasks)
     ref_grads = torch.autograd.grad(ref_loss, params)
-    assert _rel_err(loss.detach(), ref_loss.detach()) <= 1e-5
+    assert rel_err(loss.detach(), ref_loss.detach()) <= 1e-5
     for (name, _), d, r in zip(model.named_parameters(), dist_grads, ref_grads, strict=True):
         assert r.abs().sum() > 0, name
-        assert _rel_err(d, r) <= 1e-5, (name, _rel_err(d, r))
+        assert rel_err(d, r) <= 1e-5, (name, rel_err(d, r))
 
 
 def grad_returns_new_tensors_and_never_double_counts(world_size: int) -> None:
-    model, tasks, params, ref_grads = _maml_setup()
+    model, tasks, params, ref_grads = maml_setup()
     # grad(): new tensors, .grad untouched, a second call neither double-counts nor mutates.
     model.zero_grad(set_to_none=True)
     with mag.context() as ctx:
@@ -934,14 +866,14 @@ def grad_returns_new_tensors_and_never_double_counts(world_size: int) -> None:
     assert all(p.grad is None for p in params)
     for f, k, s, r in zip(first, kept, second, ref_grads, strict=True):
         assert torch.equal(f, k)
-        assert _rel_err(f, r) <= 1e-5
-        assert _rel_err(s, r) <= 1e-5
+        assert rel_err(f, r) <= 1e-5
+        assert rel_err(s, r) <= 1e-5
     for p, r in zip(params, ref_grads, strict=True):  # the raw map holds both passes
-        assert _rel_err(gradient_map[p], 2 * r) <= 1e-5
+        assert rel_err(gradient_map[p], 2 * r) <= 1e-5
 
 
 def backward_accumulates_like_torch_autograd(world_size: int) -> None:
-    model, tasks, params, ref_grads = _maml_setup()
+    model, tasks, params, ref_grads = maml_setup()
     # backward() accumulates into existing .grad like torch.autograd.backward; the decorated
     # form used by the MAML example works the same.
     for p in params:

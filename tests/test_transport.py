@@ -11,16 +11,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from _dist import Scenarios, run_scenarios
+from _maml import maml_loss, maml_setup, rel_err
 from torch import nn
-from torch.func import functional_call
-from torch.nn.functional import cross_entropy, relu
 from torch.utils._pytree import register_dataclass
 
 import metadist as md
@@ -429,74 +427,8 @@ class LocalModule(nn.Module):
         self.fn = lambda t: t  # not picklable
 
 
-class ConvNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 4 * 4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(relu(self.bn(self.conv(x))).flatten(1))
-
-
-def maml_loss(
-    model: nn.Module,
-    x_spt: torch.Tensor,
-    y_spt: torch.Tensor,
-    x_qry: torch.Tensor,
-    y_qry: torch.Tensor,
-) -> torch.Tensor:
-    """Mean query loss over this partition's tasks after 2 inner SGD steps (torch.func)."""
-    params = dict(model.named_parameters())
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
-
-    # BatchNorm updates its running statistics in place: inside torch.func.grad they must be
-    # an input of the transformed function, not captured.
-    def inner(
-        p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
-    ) -> torch.Tensor:
-        return cross_entropy(functional_call(model, (p, b), (x,)), y)
-
-    losses = []
-    for t in range(x_spt.shape[0]):
-        fast = params
-        for _ in range(2):
-            grads = torch.func.grad(inner)(fast, buffers, x_spt[t], y_spt[t])
-            fast = {k: fast[k] - 0.4 * grads[k] for k in fast}
-        losses.append(inner(fast, buffers, x_qry[t], y_qry[t]))
-    return torch.stack(losses).mean()
-
-
-def _tasks(seed: int, n_tasks: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(n_tasks, 5, 1, 6, 6, generator=g),
-        torch.randint(0, 3, (n_tasks, 5), generator=g),
-        torch.randn(n_tasks, 5, 1, 6, 6, generator=g),
-        torch.randint(0, 3, (n_tasks, 5), generator=g),
-    )
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-@functools.cache
-def _maml_setup() -> tuple[
-    ConvNet, tuple[torch.Tensor, ...], list[nn.Parameter], tuple[torch.Tensor, ...]
-]:
-    """The model, 7 tasks (3, 2, 2 over 3 workers) and the single-process meta-gradient."""
-    torch.manual_seed(0)
-    model = ConvNet()
-    tasks = _tasks(1, 7)
-    params = list(model.parameters())
-    ref_grads = torch.autograd.grad(maml_loss(model, *tasks), params)
-    return model, tasks, params, ref_grads
-
-
 def compressed_meta_gradient_is_close(world_size: int) -> None:
-    model, tasks, params, ref_grads = _maml_setup()
+    model, tasks, params, ref_grads = maml_setup()
     # Compression: close to, but not exactly, the uncompressed meta-gradient. The error is
     # that of the wire dtype compounded through two inner steps; the conv bias feeds BatchNorm
     # (true gradient ~0), so compare the whole gradient vector.
@@ -512,7 +444,7 @@ def compressed_meta_gradient_is_close(world_size: int) -> None:
                 compression=mode,
             )
             packed = mag.grad(ctx, loss, params)
-        errors[mode] = _rel_err(torch.cat([g.flatten() for g in packed]), flat_ref)
+        errors[mode] = rel_err(torch.cat([g.flatten() for g in packed]), flat_ref)
     assert 0 < errors["fp16"] < errors["bf16"] < 0.15, errors
     assert errors["fp16"] < 0.02, errors
 
