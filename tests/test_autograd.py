@@ -948,15 +948,8 @@ def dangling_call_is_named(world_size: int) -> None:
     assert mag._open_contexts() == 0  # released when each context closed
 
 
-@parallelize(partitioner=dim_partitioner(0), reducer=mean_reducer)
-def decorated_maml_loss(
-    model: nn.Module,
-    x_spt: torch.Tensor,
-    y_spt: torch.Tensor,
-    x_qry: torch.Tensor,
-    y_qry: torch.Tensor,
-) -> torch.Tensor:
-    return maml_loss(model, x_spt, y_spt, x_qry, y_qry)
+# The shared loss, parallelized as a function (workers run the original, _maml.maml_loss).
+decorated_maml_loss = parallelize(partitioner=dim_partitioner(0), reducer=mean_reducer)(maml_loss)
 
 
 SCENARIOS: list[Callable[[int], Any]] = [
