@@ -427,6 +427,7 @@ class _Call:
 
     def run_here(self, index: int) -> None:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
+        self._link()
         self.workers[index] = self.own
         _, args, kwargs = self.parts[index]
         if self.timeline is not None:
@@ -560,11 +561,7 @@ class _Call:
         return True, value
 
     def link_arguments(self, remote: list[int]) -> None:
-        """Make the node that will hold the gradients of the remote partitions' arguments.
-
-        Before the caller runs any partition itself, so that a backward pass reaches this node
-        after the caller's own partitions (see :mod:`metadist.autograd`).
-        """
+        """Note where the remote partitions' arguments that require grad sit in the link."""
         inputs: list[torch.Tensor] = []
         where: dict[int, int] = {}
         for i in remote:
@@ -576,9 +573,19 @@ class _Call:
             self.positions[i] = [where[id(t)] for t in sources]
         self.sources = inputs
         if inputs:
-            self.gradients, self.token = autograd.arguments_node(
-                inputs, self.world_token, self.compression
+            self.gradients = autograd.RemoteGradients(
+                len(inputs), self.world_token, self.compression
             )
+
+    def _link(self) -> None:
+        """Make the node that will hold the gradients of the remote partitions' arguments.
+
+        After the first sends (the workers need not wait for it), but before the caller runs
+        any partition itself, so that a backward pass reaches it after the caller's own
+        partitions (see :mod:`metadist.autograd`).
+        """
+        if self.gradients is not None and self.token is None:
+            self.token = autograd.arguments_node(self.gradients, self.sources)
 
     def _kept(self, index: int, worker: str, graph: remote_worker.Graph, value: Any) -> Any:
         """A result whose graph ``worker`` kept: note its part of the call's link."""
@@ -610,6 +617,7 @@ class _Call:
         linkable = [v for ok, v in outcomes if ok and isinstance(v, _Linkable)]
         if not linkable:
             return outcomes
+        self._link()
         assert self.gradients is not None
         assert self.token is not None
         outputs = [item.flat[i] for item in linkable for i in item.outputs]

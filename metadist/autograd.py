@@ -331,16 +331,13 @@ class _Probe(torch.autograd.Function):
         return None, grad
 
 
-def arguments_node(
-    inputs: list[torch.Tensor], world_token: object, compression: Any
-) -> tuple[RemoteGradients, torch.Tensor]:
+def arguments_node(state: RemoteGradients, inputs: list[torch.Tensor]) -> torch.Tensor:
     """Start a remote call's gradient link: the node that will hold its arguments' gradients.
 
-    Made before the caller runs its own partitions (see the notes above). Returns the shared
-    state and the token to hand to :func:`results_node`.
+    Made before the caller runs its own partitions (see the notes above). Returns the token
+    to hand to :func:`results_node`.
     """
-    state = RemoteGradients(len(inputs), world_token, compression)
-    return state, _Arguments.apply(state, *inputs)
+    return _Arguments.apply(state, *inputs)  # type: ignore[no-any-return]
 
 
 def results_node(
