@@ -337,7 +337,7 @@ def arguments_node(state: RemoteGradients, inputs: list[torch.Tensor]) -> torch.
     Made before the caller runs its own partitions (see the notes above). Returns the token
     to hand to :func:`results_node`.
     """
-    return _Arguments.apply(state, *inputs)  # type: ignore[no-any-return]
+    return _Arguments.apply(state, *inputs)
 
 
 def results_node(
