@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar, cast
 
-import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.rpc import RpcBackendOptions  # type: ignore[attr-defined]
@@ -31,7 +30,7 @@ from metadist import network, world
 from metadist import worker as remote_worker
 from metadist._quiet import quiet_torch_warnings
 from metadist.errors import is_timeout
-from metadist.world import WorldInfo, default_worker_name_format
+from metadist.world import WorldInfo, default_worker_name_format, use_process_threads
 
 __all__ = [
     "SLURM_PORT_BASE",
@@ -458,21 +457,6 @@ def _limit_malloc_arenas() -> None:
     with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         if int(raw) > 0:
             ctypes.CDLL(None).mallopt(_M_ARENA_MAX, int(raw))
-
-
-# OpenMP keeps its team size per thread: RPC handler threads (TensorPipe's pool) keep OpenMP's
-# default, one thread per core, unless OMP_NUM_THREADS was set before the process started
-# (torchrun sets it; srun, mpirun and multiprocessing do not), and contend with the node's other
-# processes. On 2 cores, one thread per process: a 12-task MAML step took 2.0-2.3 ms on a handler
-# thread, 1.5 ms on the main thread and 1.55 ms on the handler thread once aligned.
-_OPENMP = torch.backends.openmp.is_available()
-
-
-def use_process_threads() -> None:
-    """Give the calling thread, one torch did not start (an RPC handler running a partition or
-    an owner's optimizer step), the process's intra-op thread count. Well under a microsecond."""
-    if _OPENMP:
-        torch.set_num_threads(torch.get_num_threads())
 
 
 def _run_in_world(
