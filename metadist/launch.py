@@ -18,7 +18,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar, cast
 
@@ -159,7 +159,7 @@ def _env_int(name: str, launcher: str, default: int | None = None) -> int:
 
 
 def _checked(
-    names: tuple[str, str, str, str], rank: int, size: int, local_rank: int, local_size: int
+    names: Sequence[str], rank: int, size: int, local_rank: int, local_size: int
 ) -> WorldInfo:
     """Build a WorldInfo, naming the launcher variable that is out of range."""
     for index, index_name, count, count_name in (
@@ -185,13 +185,6 @@ def _torchrun_info() -> WorldInfo:
     local_rank = _env_int("LOCAL_RANK", "torchrun", rank if local_world_size == world_size else 0)
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     return _checked(names, rank, world_size, local_rank, local_world_size)
-
-
-def _open_mpi_info() -> WorldInfo:
-    prefix = "OMPI_COMM_WORLD_"
-    names = (f"{prefix}RANK", f"{prefix}SIZE", f"{prefix}LOCAL_RANK", f"{prefix}LOCAL_SIZE")
-    values = [_env_int(name, "mpirun") for name in names]
-    return _checked(names, *values)
 
 
 def tasks_per_node(spec: str) -> list[int]:
@@ -256,7 +249,9 @@ def read_launch_environment() -> LaunchEnvironment:
     if "WORLD_SIZE" in os.environ:
         return LaunchEnvironment("torchrun", _torchrun_info())
     if "OMPI_COMM_WORLD_SIZE" in os.environ:
-        return LaunchEnvironment("mpirun", _open_mpi_info())
+        names = [f"OMPI_COMM_WORLD_{n}" for n in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE")]
+        values = [_env_int(name, "mpirun") for name in names]
+        return LaunchEnvironment("mpirun", _checked(names, *values))
     if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
         return LaunchEnvironment("srun", _slurm_info())
     return LaunchEnvironment("python", _torchrun_info())
@@ -369,15 +364,6 @@ def master_address(launcher: str) -> tuple[str, int]:
     return str(addr), _port("MASTER_PORT", str(port))
 
 
-def _single_node(launch: LaunchEnvironment) -> bool:
-    info = launch.info
-    if launch.launcher == "torchrun":
-        # Only torchrun's own LOCAL_WORLD_SIZE says so: a manual launch that sets RANK and
-        # WORLD_SIZE alone may span nodes.
-        return "LOCAL_WORLD_SIZE" in os.environ and info.local_world_size == info.world_size
-    return info.local_world_size == info.world_size
-
-
 def _listener_and_rendezvous(
     launch: LaunchEnvironment, timeout: float
 ) -> tuple[network.Binding, str]:
@@ -386,7 +372,12 @@ def _listener_and_rendezvous(
     if launch.launcher == "python":
         return network.choose_binding("127.0.0.1"), f"{network.LOCAL_SCHEME}://"
     master_addr, master_port = master_address(launch.launcher)
-    if _single_node(launch):
+    # For torchrun only its own LOCAL_WORLD_SIZE says the job is on one node: a manual launch
+    # that sets RANK and WORLD_SIZE alone may span nodes.
+    single_node = info.local_world_size == info.world_size and (
+        launch.launcher != "torchrun" or "LOCAL_WORLD_SIZE" in os.environ
+    )
+    if single_node:
         # Every worker is on this node, so loopback reaches them all, whatever MASTER_ADDR is:
         # `torchrun --standalone` sets it to the host's FQDN, which often resolves to a LAN
         # address, and SLURM names the node; RPC must not listen there.
@@ -502,17 +493,11 @@ def _run_in_world(
         _abort()
         raise
     except BaseException:
-        # Ctrl-C while shutting down after a failure (waiting for the other workers).
-        try:
+        # Ctrl-C while shutting down after a failure aborts; the failure is what is raised.
+        with contextlib.suppress(KeyboardInterrupt):
             _shutdown(name, shutdown_timeout, raise_errors=False)
-        except KeyboardInterrupt:
-            _abort()
         raise
-    try:
-        _shutdown(name, shutdown_timeout, raise_errors=True)
-    except KeyboardInterrupt:  # Ctrl-C while waiting for the other workers to finish
-        _abort()
-        raise
+    _shutdown(name, shutdown_timeout, raise_errors=True)
     return result
 
 
@@ -653,6 +638,7 @@ def _abort() -> None:
 
 
 def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
+    """Finish the shutdown handshake and RPC; Ctrl-C while waiting for the others aborts."""
     problem = None
     info = world.get_world_info()
     try:
@@ -676,6 +662,9 @@ def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
         problem = f"shutdown failed: {error}"
         with contextlib.suppress(Exception):
             rpc.shutdown(graceful=False)
+    except KeyboardInterrupt:
+        _abort()
+        raise
     finally:
         world.leave_world()
     if problem is not None:
