@@ -102,8 +102,8 @@ def split_sizes(n: int, k: int) -> list[int]:
 class DimPartitioner:
     """Split every tensor leaf of the arguments along one dimension (see :func:`dim_partitioner`).
 
-    Instances are picklable (they pickle as their constructor arguments), so a partitioner can be
-    sent to another worker, e.g. for nested remote calls.
+    Instances are picklable, so a partitioner can be sent to another worker, e.g. for nested
+    remote calls.
 
     Args:
         dim: The dimension to split every tensor leaf along.
@@ -175,9 +175,6 @@ class DimPartitioner:
         self.exclusive = exclusive
         self.keepdim = keepdim
         self.workers: tuple[int | str, ...] | None = workers
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_dim_partitioner, self._key())
 
     def _key(self) -> tuple[Any, ...]:
         return (self.dim, self.exclusive, self.keepdim, self.workers, self.schedule)
@@ -327,18 +324,6 @@ class DimPartitioner:
         if self.keepdim:
             return tensor.split(1, dim)
         return tensor.unbind(dim)
-
-
-def _rebuild_dim_partitioner(
-    dim: int,
-    exclusive: bool,
-    keepdim: bool,
-    workers: tuple[int | str, ...] | None,
-    schedule: str = "static",
-) -> DimPartitioner:
-    return DimPartitioner(
-        dim, exclusive=exclusive, keepdim=keepdim, workers=workers, schedule=schedule
-    )
 
 
 def dim_partitioner(
