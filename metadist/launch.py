@@ -394,13 +394,13 @@ def _listener_and_rendezvous(
                 raise
             binding = user
     _log_interface(info, binding, master_addr)
-    if binding.loopback and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    # torchrun's agent holds one store across --max-restarts: metadist-elastic:// keeps them apart.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if binding.loopback and not agent_store:
         # torch's rendezvous adds rank and world_size to the query itself.
         return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"
     if launch.launcher == "torchrun":
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            return binding, f"{network.ELASTIC_SCHEME}://"  # survives --max-restarts
-        return binding, "env://"
+        return binding, f"{network.ELASTIC_SCHEME}://" if agent_store else "env://"
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     return binding, f"tcp://{host}:{master_port}"
 
@@ -565,10 +565,7 @@ def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
         live_waiting = [rank for rank in waiting_for if names[rank] not in dead]
         if dead and not live_waiting:
             survivors = [r for r in finished if r != 0 and names[r] not in dead]
-            released = [rpc.rpc_async(r, _release, args=(sorted(dead),)) for r in survivors]
-            for notice in released:
-                with contextlib.suppress(Exception):
-                    notice.wait()
+            world.wait_all([rpc.rpc_async(r, _release, args=(sorted(dead),)) for r in survivors])
             return sorted(dead)
     future.wait()
     return []
@@ -623,18 +620,14 @@ def _abort() -> None:
     """
     world.leave_world()
     deadline = time.monotonic() + ABORT_GRACE
-    running = [t for t in _SHUTDOWN_THREAD if t.is_alive()]
-    if not running:
+    if not any(thread.is_alive() for thread in _SHUTDOWN_THREAD):
         with contextlib.suppress(Exception, KeyboardInterrupt):
             _bounded_shutdown(ABORT_GRACE, graceful=False)
-        running = [t for t in _SHUTDOWN_THREAD if t.is_alive()]
     # A second Ctrl-C (the terminal's and torchrun's) must not cut the teardown short.
-    while running and (left := deadline - time.monotonic()) > 0:
-        try:
-            running[0].join(left)
-        except KeyboardInterrupt:
-            continue
-        running = [t for t in running if t.is_alive()]
+    for thread in _SHUTDOWN_THREAD:
+        while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(KeyboardInterrupt):
+                thread.join(left)
 
 
 def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
