@@ -157,9 +157,7 @@ def socket_ifname_env(ifname: str) -> Iterator[None]:
     """Set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` to ``ifname`` where the user has not,
     while RPC starts: nothing else in the process (or its children) inherits the choice."""
     saved = {name: os.environ.get(name) for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
-    for name, value in saved.items():
-        if not value:  # user-set values always win
-            os.environ[name] = ifname
+    os.environ.update({name: ifname for name, value in saved.items() if not value})  # user's win
     try:
         yield
     finally:

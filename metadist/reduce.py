@@ -95,17 +95,15 @@ def _leafwise(
         raise ValueError(f"{name}: got no partition results to reduce")
     if all(isinstance(r, torch.Tensor) for r in results):  # fast path: one tensor per partition
         return combine(list(results), lambda: "result")
-    first, spec = tree_flatten(results[0])
-    columns: list[list[Any]] = [[leaf] for leaf in first]
-    for index in range(1, len(results)):
-        leaves, other = tree_flatten(results[index])
+    flat = [tree_flatten(result) for result in results]
+    spec = flat[0][1]
+    for index, (_, other) in enumerate(flat):
         if other != spec:
             raise ValueError(
                 f"{name}: partition {index} returned a result of a different structure than "
                 f"partition 0: {other} vs {spec}"
             )
-        for column, leaf in zip(columns, leaves, strict=True):
-            column.append(leaf)
+    columns = [list(column) for column in zip(*(leaves for leaves, _ in flat), strict=True)]
 
     def where(i: int) -> Callable[[], str]:
         # Named only on errors: computing key paths costs more than reducing small results.
