@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from torch.utils._pytree import (
-    SUPPORTED_NODES,
     keystr,
     tree_flatten,
     tree_flatten_with_path,
@@ -20,7 +19,6 @@ from torch.utils._pytree import (
 )
 
 __all__ = [
-    "SUPPORTED_NODES",
     "argument_path",
     "keystr",
     "tree_flatten",

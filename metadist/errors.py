@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 import traceback
 from typing import Any
@@ -90,32 +92,22 @@ class RemoteError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
+@dataclasses.dataclass
 class RemoteFailure:
     """An exception raised by a partition, in a form that always unpickles on the caller.
 
     The exception object itself may not pickle (or its class may not exist on the caller), so a
     worker returns this instead and the caller rebuilds the exception with :meth:`to_exception`.
-    ``stage`` says whether the arguments could not be decoded (``"decode"``) or the function
-    raised (``"call"``).
+    ``stage`` says whether the arguments could not be decoded (``"decode"``), the function
+    raised (``"call"``) or its backward pass did (``"backward"``).
     """
 
-    __slots__ = ("message", "stage", "trace", "type_module", "type_qualname", "worker")
-
-    def __init__(  # noqa: PLR0917 - rebuilt positionally by __reduce__
-        self,
-        type_module: str,
-        type_qualname: str,
-        message: str,
-        trace: str,
-        worker: str,
-        stage: str,
-    ) -> None:
-        self.type_module = type_module
-        self.type_qualname = type_qualname
-        self.message = message
-        self.trace = trace
-        self.worker = worker
-        self.stage = stage
+    type_module: str
+    type_qualname: str
+    message: str
+    trace: str
+    worker: str
+    stage: str
 
     @classmethod
     def capture(cls, error: BaseException, worker: str, stage: str) -> RemoteFailure:
@@ -129,19 +121,6 @@ class RemoteFailure:
             stage,
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            RemoteFailure,
-            (
-                self.type_module,
-                self.type_qualname,
-                self.message,
-                self.trace,
-                self.worker,
-                self.stage,
-            ),
-        )
-
     def to_exception(self, index: int, count: int, func_name: str) -> BaseException:
         """The exception to raise on the caller for partition ``index`` of ``count``."""
         type_name = f"{self.type_module}.{self.type_qualname}"
@@ -149,15 +128,11 @@ class RemoteFailure:
             f"{self.message}\n\n[metadist] {func_name}() raised {type_name} on worker "
             f"{self.worker!r} (partition {index} of {count}). Remote traceback:\n{self.trace}"
         )
-        exc: BaseException | None = None
+        exc: BaseException = RemoteError(message)
         exc_type = resolve_qualified_name(self.type_module, self.type_qualname)
         if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-            try:
+            with contextlib.suppress(Exception):  # a type that takes no message: RemoteError
                 exc = exc_type(message)
-            except Exception:
-                exc = None
-        if exc is None:
-            exc = RemoteError(message)
         exc.worker_name = self.worker  # type: ignore[attr-defined]
         exc.partition_index = index  # type: ignore[attr-defined]
         exc.remote_type = type_name  # type: ignore[attr-defined]

@@ -18,11 +18,10 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar, cast
 
-import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.rpc import RpcBackendOptions  # type: ignore[attr-defined]
@@ -31,7 +30,7 @@ from metadist import network, world
 from metadist import worker as remote_worker
 from metadist._quiet import quiet_torch_warnings
 from metadist.errors import is_timeout
-from metadist.world import WorldInfo, default_worker_name_format
+from metadist.world import WorldInfo, default_worker_name_format, use_process_threads
 
 __all__ = [
     "SLURM_PORT_BASE",
@@ -161,7 +160,7 @@ def _env_int(name: str, launcher: str, default: int | None = None) -> int:
 
 
 def _checked(
-    names: tuple[str, str, str, str], rank: int, size: int, local_rank: int, local_size: int
+    names: Sequence[str], rank: int, size: int, local_rank: int, local_size: int
 ) -> WorldInfo:
     """Build a WorldInfo, naming the launcher variable that is out of range."""
     for index, index_name, count, count_name in (
@@ -187,13 +186,6 @@ def _torchrun_info() -> WorldInfo:
     local_rank = _env_int("LOCAL_RANK", "torchrun", rank if local_world_size == world_size else 0)
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     return _checked(names, rank, world_size, local_rank, local_world_size)
-
-
-def _open_mpi_info() -> WorldInfo:
-    prefix = "OMPI_COMM_WORLD_"
-    names = (f"{prefix}RANK", f"{prefix}SIZE", f"{prefix}LOCAL_RANK", f"{prefix}LOCAL_SIZE")
-    values = [_env_int(name, "mpirun") for name in names]
-    return _checked(names, *values)
 
 
 def tasks_per_node(spec: str) -> list[int]:
@@ -258,7 +250,9 @@ def read_launch_environment() -> LaunchEnvironment:
     if "WORLD_SIZE" in os.environ:
         return LaunchEnvironment("torchrun", _torchrun_info())
     if "OMPI_COMM_WORLD_SIZE" in os.environ:
-        return LaunchEnvironment("mpirun", _open_mpi_info())
+        names = [f"OMPI_COMM_WORLD_{n}" for n in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE")]
+        values = [_env_int(name, "mpirun") for name in names]
+        return LaunchEnvironment("mpirun", _checked(names, *values))
     if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
         return LaunchEnvironment("srun", _slurm_info())
     return LaunchEnvironment("python", _torchrun_info())
@@ -371,15 +365,6 @@ def master_address(launcher: str) -> tuple[str, int]:
     return str(addr), _port("MASTER_PORT", str(port))
 
 
-def _single_node(launch: LaunchEnvironment) -> bool:
-    info = launch.info
-    if launch.launcher == "torchrun":
-        # Only torchrun's own LOCAL_WORLD_SIZE says so: a manual launch that sets RANK and
-        # WORLD_SIZE alone may span nodes.
-        return "LOCAL_WORLD_SIZE" in os.environ and info.local_world_size == info.world_size
-    return info.local_world_size == info.world_size
-
-
 def _listener_and_rendezvous(
     launch: LaunchEnvironment, timeout: float
 ) -> tuple[network.Binding, str]:
@@ -388,7 +373,12 @@ def _listener_and_rendezvous(
     if launch.launcher == "python":
         return network.choose_binding("127.0.0.1"), f"{network.LOCAL_SCHEME}://"
     master_addr, master_port = master_address(launch.launcher)
-    if _single_node(launch):
+    # For torchrun only its own LOCAL_WORLD_SIZE says the job is on one node: a manual launch
+    # that sets RANK and WORLD_SIZE alone may span nodes.
+    single_node = info.local_world_size == info.world_size and (
+        launch.launcher != "torchrun" or "LOCAL_WORLD_SIZE" in os.environ
+    )
+    if single_node:
         # Every worker is on this node, so loopback reaches them all, whatever MASTER_ADDR is:
         # `torchrun --standalone` sets it to the host's FQDN, which often resolves to a LAN
         # address, and SLURM names the node; RPC must not listen there.
@@ -405,13 +395,13 @@ def _listener_and_rendezvous(
                 raise
             binding = user
     _log_interface(info, binding, master_addr)
-    if binding.loopback and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    # torchrun's agent holds one store across --max-restarts: metadist-elastic:// keeps them apart.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if binding.loopback and not agent_store:
         # torch's rendezvous adds rank and world_size to the query itself.
         return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"
     if launch.launcher == "torchrun":
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            return binding, f"{network.ELASTIC_SCHEME}://"  # survives --max-restarts
-        return binding, "env://"
+        return binding, f"{network.ELASTIC_SCHEME}://" if agent_store else "env://"
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     return binding, f"tcp://{host}:{master_port}"
 
@@ -461,21 +451,6 @@ def _limit_malloc_arenas() -> None:
             ctypes.CDLL(None).mallopt(_M_ARENA_MAX, int(raw))
 
 
-# OpenMP keeps its team size per thread: RPC handler threads (TensorPipe's pool) keep OpenMP's
-# default, one thread per core, unless OMP_NUM_THREADS was set before the process started
-# (torchrun sets it; srun, mpirun and multiprocessing do not), and contend with the node's other
-# processes. On 2 cores, one thread per process: a 12-task MAML step took 2.0-2.3 ms on a handler
-# thread, 1.5 ms on the main thread and 1.55 ms on the handler thread once aligned.
-_OPENMP = torch.backends.openmp.is_available()
-
-
-def use_process_threads() -> None:
-    """Give the calling thread, one torch did not start (an RPC handler running a partition or
-    an owner's optimizer step), the process's intra-op thread count. Well under a microsecond."""
-    if _OPENMP:
-        torch.set_num_threads(torch.get_num_threads())
-
-
 def _run_in_world(
     job: Callable[[], R],
     *,
@@ -522,17 +497,11 @@ def _run_in_world(
         _abort()
         raise
     except BaseException:
-        # Ctrl-C while shutting down after a failure (waiting for the other workers).
-        try:
+        # Ctrl-C while shutting down after a failure aborts; the failure is what is raised.
+        with contextlib.suppress(KeyboardInterrupt):
             _shutdown(name, shutdown_timeout, raise_errors=False)
-        except KeyboardInterrupt:
-            _abort()
         raise
-    try:
-        _shutdown(name, shutdown_timeout, raise_errors=True)
-    except KeyboardInterrupt:  # Ctrl-C while waiting for the other workers to finish
-        _abort()
-        raise
+    _shutdown(name, shutdown_timeout, raise_errors=True)
     return result
 
 
@@ -600,10 +569,7 @@ def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
         live_waiting = [rank for rank in waiting_for if names[rank] not in dead]
         if dead and not live_waiting:
             survivors = [r for r in finished if r != 0 and names[r] not in dead]
-            released = [rpc.rpc_async(r, _release, args=(sorted(dead),)) for r in survivors]
-            for notice in released:
-                with contextlib.suppress(Exception):
-                    notice.wait()
+            world.wait_all([rpc.rpc_async(r, _release, args=(sorted(dead),)) for r in survivors])
             return sorted(dead)
     future.wait()
     return []
@@ -658,21 +624,18 @@ def _abort() -> None:
     """
     world.leave_world()
     deadline = time.monotonic() + ABORT_GRACE
-    running = [t for t in _SHUTDOWN_THREAD if t.is_alive()]
-    if not running:
+    if not any(thread.is_alive() for thread in _SHUTDOWN_THREAD):
         with contextlib.suppress(Exception, KeyboardInterrupt):
             _bounded_shutdown(ABORT_GRACE, graceful=False)
-        running = [t for t in _SHUTDOWN_THREAD if t.is_alive()]
     # A second Ctrl-C (the terminal's and torchrun's) must not cut the teardown short.
-    while running and (left := deadline - time.monotonic()) > 0:
-        try:
-            running[0].join(left)
-        except KeyboardInterrupt:
-            continue
-        running = [t for t in running if t.is_alive()]
+    for thread in _SHUTDOWN_THREAD:
+        while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(KeyboardInterrupt):
+                thread.join(left)
 
 
 def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
+    """Finish the shutdown handshake and RPC; Ctrl-C while waiting for the others aborts."""
     problem = None
     info = world.get_world_info()
     try:
@@ -696,6 +659,9 @@ def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
         problem = f"shutdown failed: {error}"
         with contextlib.suppress(Exception):
             rpc.shutdown(graceful=False)
+    except KeyboardInterrupt:
+        _abort()
+        raise
     finally:
         world.leave_world()
     if problem is not None:

@@ -18,7 +18,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, urlparse
 
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.rendezvous import register_rendezvous_handler, rendezvous
@@ -157,9 +157,7 @@ def socket_ifname_env(ifname: str) -> Iterator[None]:
     """Set ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` to ``ifname`` where the user has not,
     while RPC starts: nothing else in the process (or its children) inherits the choice."""
     saved = {name: os.environ.get(name) for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
-    for name, value in saved.items():
-        if not value:  # user-set values always win
-            os.environ[name] = ifname
+    os.environ.update({name: ifname for name, value in saved.items() if not value})  # user's win
     try:
         yield
     finally:
@@ -193,15 +191,12 @@ def _local_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, int
 
 def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, int]]:
     parsed = urlparse(url)
-    query = dict(part.split("=", 1) for part in parsed.query.split("&") if part)
+    query = dict(parse_qsl(parsed.query))
     rank, world_size = int(query["rank"]), int(query["world_size"])
     timeout = datetime.timedelta(seconds=float(query.get("timeout", "300")))
     port = int(parsed.port or 0)
     if rank == 0:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen(128)
+        listener = socket.create_server(("127.0.0.1", port), backlog=128)  # sets SO_REUSEADDR
         store = TCPStore(
             "127.0.0.1", port, world_size, True, timeout, master_listen_fd=listener.detach()
         )
@@ -219,15 +214,12 @@ def _elastic_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]
     yield PrefixStore(f"metadist/attempt_{attempt}", store), rank, world_size
 
 
-_HANDLERS = {
-    LOCAL_SCHEME: _local_handler,
-    LOOPBACK_SCHEME: _loopback_handler,
-    ELASTIC_SCHEME: _elastic_handler,
-}
-
-
 def install_rendezvous_handlers() -> None:
     """Register the ``metadist-local://``, ``-loopback://`` and ``-elastic://`` schemes."""
-    for scheme, handler in _HANDLERS.items():
+    for scheme, handler in (
+        (LOCAL_SCHEME, _local_handler),
+        (LOOPBACK_SCHEME, _loopback_handler),
+        (ELASTIC_SCHEME, _elastic_handler),
+    ):
         with contextlib.suppress(RuntimeError):  # registered already
             register_rendezvous_handler(scheme, handler)

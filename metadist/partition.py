@@ -8,13 +8,13 @@ list of ``(worker_id, args, kwargs)`` triples, one per partition. The partitione
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from metadist._pytree import keystr, tree_flatten_with_path, tree_is_leaf, tree_unflatten
+from metadist._pytree import argument_path, tree_flatten_with_path, tree_is_leaf, tree_unflatten
 from metadist.world import get_worker_id, get_world_size
 
 __all__ = [
@@ -99,17 +99,11 @@ def split_sizes(n: int, k: int) -> list[int]:
     return [base + 1] * extra + [base] * (m - extra)
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-    # Paths come from flattening the pair (args, kwargs): the first key selects which.
-    head = "args" if path[0].idx == 0 else "kwargs"
-    return head + keystr(path[1:])
-
-
 class DimPartitioner:
     """Split every tensor leaf of the arguments along one dimension (see :func:`dim_partitioner`).
 
-    Instances are picklable (they pickle as their constructor arguments), so a partitioner can be
-    sent to another worker, e.g. for nested remote calls.
+    Instances are picklable, so a partitioner can be sent to another worker, e.g. for nested
+    remote calls.
 
     Args:
         dim: The dimension to split every tensor leaf along.
@@ -182,9 +176,6 @@ class DimPartitioner:
         self.keepdim = keepdim
         self.workers: tuple[int | str, ...] | None = workers
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_dim_partitioner, self._key())
-
     def _key(self) -> tuple[Any, ...]:
         return (self.dim, self.exclusive, self.keepdim, self.workers, self.schedule)
 
@@ -250,39 +241,81 @@ class DimPartitioner:
         """
         if not worker_ids:
             raise ValueError("dim_partitioner: there must be at least one worker")
+        args = tuple(args)
         # Ask torch's pytree which values are containers, so the fast path agrees with
-        # tree_flatten: a `type(a) in SUPPORTED_NODES` test misses namedtuples (pytree matches
-        # them structurally, not by registered type) and would copy them whole to every worker.
+        # tree_flatten: a test on registered types misses namedtuples (pytree matches them
+        # structurally) and would copy them whole to every worker.
         if all(tree_is_leaf(a) for a in args) and all(tree_is_leaf(v) for v in kwargs.values()):
-            return self._split_flat(tuple(args), kwargs, worker_ids)
-        pairs, spec = tree_flatten_with_path((tuple(args), dict(kwargs)))
-        split_at: list[tuple[int, int]] = []  # (leaf index, normalized dim)
-        batch: int | None = None
-        first = ""
-        for index, (path, leaf) in enumerate(pairs):
+            # No containers (the common case): split without pytrees.
+            keys, n_args = list(kwargs), len(args)
+            leaves = [*args, *kwargs.values()]
+
+            def name(i: int) -> str:
+                return f"args[{i}]" if i < n_args else f"kwargs[{keys[i - n_args]!r}]"
+
+            def rebuild(row: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                return tuple(row[:n_args]), dict(zip(keys, row[n_args:], strict=True))
+
+        else:
+            pairs, spec = tree_flatten_with_path((args, dict(kwargs)))
+            leaves = [leaf for _, leaf in pairs]
+
+            def name(i: int) -> str:
+                return argument_path(pairs[i][0])
+
+            def rebuild(row: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                return tree_unflatten(row, spec)
+
+        columns, sizes = self._columns(leaves, name, len(worker_ids))
+        parts = Partitions(sizes=sizes, schedule=self.schedule)
+        for i in range(len(sizes)):
+            parts.append((worker_ids[i % len(worker_ids)], *rebuild([c[i] for c in columns])))
+        return parts
+
+    def _columns(
+        self, leaves: list[Any], name: Callable[[int], str], n_workers: int
+    ) -> tuple[list[Sequence[Any]], list[int]]:
+        """Each leaf's value in every partition (its pieces, or itself replicated), and the
+        partition sizes. ``name(i)`` names leaf ``i`` for messages."""
+        dims: list[int | None] = []
+        batch, first = 0, -1  # the batch size, and the leaf that set it
+        for index, leaf in enumerate(leaves):
             # Parameters are model state, not batch data: replicated like modules.
             if not isinstance(leaf, torch.Tensor) or isinstance(leaf, nn.Parameter):
+                dims.append(None)
                 continue
-            name = _path_name(path)
-            dim = self._dim(name, leaf)
-            size = leaf.shape[dim]
-            if batch is None:
-                batch, first = size, name
-            elif size != batch:
-                raise self._mismatch(first, batch, name, leaf, size)
-            split_at.append((index, dim))
-        sizes, count = self._sizes(batch, first, len(worker_ids))
-        leaves = [leaf for _, leaf in pairs]
-        per_part: list[list[Any]] = [list(leaves) for _ in range(count)]
-        for index, dim in split_at:
-            for part, piece in zip(per_part, self._pieces(leaves[index], dim, sizes), strict=True):
-                part[index] = piece
-        n_workers = len(worker_ids)
-        parts = Partitions(sizes=sizes, schedule=self.schedule)
-        for i, part in enumerate(per_part):
-            p_args, p_kwargs = tree_unflatten(part, spec)
-            parts.append((worker_ids[i % n_workers], p_args, p_kwargs))
-        return parts
+            ndim = leaf.dim()
+            dim = self.dim + ndim if self.dim < 0 else self.dim
+            if not 0 <= dim < ndim:
+                raise ValueError(
+                    f"dim_partitioner(dim={self.dim}): argument {name(index)} has shape "
+                    f"{tuple(leaf.shape)}; dim {self.dim} is out of range for {ndim} dimension(s)"
+                )
+            if first < 0:
+                batch, first = leaf.shape[dim], index
+            elif leaf.shape[dim] != batch:
+                raise ValueError(
+                    f"dim_partitioner(dim={self.dim}): tensor arguments disagree on the batch "
+                    f"size: {name(first)} has {batch} along dim {self.dim} but {name(index)} has "
+                    f"{leaf.shape[dim]} (shape {tuple(leaf.shape)})"
+                )
+            dims.append(dim)
+        if first < 0:
+            raise ValueError(
+                "dim_partitioner: the arguments hold no tensor to split (nn.Parameter leaves are "
+                "replicated, not split); pass a worker id as partitioner to run on one worker"
+            )
+        if batch == 0:
+            raise ValueError(
+                f"dim_partitioner(dim={self.dim}): empty batch: {name(first)} has size 0 along "
+                f"dim {self.dim}"
+            )
+        sizes = [1] * batch if self.exclusive else split_sizes(batch, n_workers)
+        columns = [
+            [leaf] * len(sizes) if dim is None else self._pieces(leaf, dim, sizes)
+            for leaf, dim in zip(leaves, dims, strict=True)
+        ]
+        return columns, sizes
 
     def _pieces(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Sequence[torch.Tensor]:
         if not self.exclusive:
@@ -291,93 +324,6 @@ class DimPartitioner:
         if self.keepdim:
             return tensor.split(1, dim)
         return tensor.unbind(dim)
-
-    def _split_flat(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], worker_ids: Sequence[int]
-    ) -> Partitions:
-        """:meth:`split` for arguments without containers (the common case), without pytrees."""
-        named: list[tuple[str, Any]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
-        named += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
-        batch: int | None = None
-        first = ""
-        dims: list[int | None] = []
-        for name, leaf in named:
-            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, nn.Parameter):
-                dims.append(None)
-                continue
-            dim = self._dim(name, leaf)
-            size = leaf.shape[dim]
-            if batch is None:
-                batch, first = size, name
-            elif size != batch:
-                raise self._mismatch(first, batch, name, leaf, size)
-            dims.append(dim)
-        sizes, count = self._sizes(batch, first, len(worker_ids))
-        columns: list[Sequence[Any]] = [
-            [leaf] * count if dim is None else self._pieces(leaf, dim, sizes)
-            for (_, leaf), dim in zip(named, dims, strict=True)
-        ]
-        n_args = len(args)
-        keys = list(kwargs)
-        n_workers = len(worker_ids)
-        parts = Partitions(sizes=sizes, schedule=self.schedule)
-        for i in range(count):
-            row = [column[i] for column in columns]
-            parts.append(
-                (
-                    worker_ids[i % n_workers],
-                    tuple(row[:n_args]),
-                    dict(zip(keys, row[n_args:], strict=True)),
-                )
-            )
-        return parts
-
-    def _dim(self, name: str, leaf: torch.Tensor) -> int:
-        ndim = leaf.dim()
-        dim = self.dim + ndim if self.dim < 0 else self.dim
-        if not 0 <= dim < ndim:
-            raise ValueError(
-                f"dim_partitioner(dim={self.dim}): argument {name} has shape "
-                f"{tuple(leaf.shape)}; dim {self.dim} is out of range for {ndim} dimension(s)"
-            )
-        return dim
-
-    def _mismatch(
-        self, first: str, batch: int, name: str, leaf: torch.Tensor, size: int
-    ) -> ValueError:
-        return ValueError(
-            f"dim_partitioner(dim={self.dim}): tensor arguments disagree on the batch size: "
-            f"{first} has {batch} along dim {self.dim} but {name} has {size} "
-            f"(shape {tuple(leaf.shape)})"
-        )
-
-    def _sizes(self, batch: int | None, first: str, n_workers: int) -> tuple[list[int], int]:
-        if batch is None:
-            raise ValueError(
-                "dim_partitioner: the arguments hold no tensor to split (nn.Parameter leaves are "
-                "replicated, not split); pass a worker id as partitioner to run on one worker"
-            )
-        if batch == 0:
-            raise ValueError(
-                f"dim_partitioner(dim={self.dim}): empty batch: {first} has size 0 along "
-                f"dim {self.dim}"
-            )
-        if self.exclusive:
-            return [1] * batch, batch
-        sizes = split_sizes(batch, n_workers)
-        return sizes, len(sizes)
-
-
-def _rebuild_dim_partitioner(
-    dim: int,
-    exclusive: bool,
-    keepdim: bool,
-    workers: tuple[int | str, ...] | None,
-    schedule: str = "static",
-) -> DimPartitioner:
-    return DimPartitioner(
-        dim, exclusive=exclusive, keepdim=keepdim, workers=workers, schedule=schedule
-    )
 
 
 def dim_partitioner(

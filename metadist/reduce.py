@@ -86,12 +86,6 @@ def check_sizes(sizes: Any, count: int, name: str, noun: str = "result") -> tupl
     return checked
 
 
-def _as_size(size: Any) -> int:
-    if isinstance(size, bool):
-        raise TypeError("a bool is not a size")
-    return operator.index(size)
-
-
 def _leafwise(
     results: Sequence[Any], name: str, combine: Callable[[list[Any], Callable[[], str]], Any]
 ) -> Any:
@@ -101,17 +95,15 @@ def _leafwise(
         raise ValueError(f"{name}: got no partition results to reduce")
     if all(isinstance(r, torch.Tensor) for r in results):  # fast path: one tensor per partition
         return combine(list(results), lambda: "result")
-    first, spec = tree_flatten(results[0])
-    columns: list[list[Any]] = [[leaf] for leaf in first]
-    for index in range(1, len(results)):
-        leaves, other = tree_flatten(results[index])
+    flat = [tree_flatten(result) for result in results]
+    spec = flat[0][1]
+    for index, (_, other) in enumerate(flat):
         if other != spec:
             raise ValueError(
                 f"{name}: partition {index} returned a result of a different structure than "
                 f"partition 0: {other} vs {spec}"
             )
-        for column, leaf in zip(columns, leaves, strict=True):
-            column.append(leaf)
+    columns = [list(column) for column in zip(*(leaves for leaves, _ in flat), strict=True)]
 
     def where(i: int) -> Callable[[], str]:
         # Named only on errors: computing key paths costs more than reducing small results.
@@ -121,7 +113,19 @@ def _leafwise(
     return tree_unflatten(reduced, spec)
 
 
-def _stack(values: list[Any], where: Callable[[], str], name: str) -> torch.Tensor:
+def _as_size(size: Any) -> int:
+    if isinstance(size, bool):
+        raise TypeError("a bool is not a size")
+    return operator.index(size)
+
+
+def _stacked(values: list[Any], where: Callable[[], str], name: str) -> torch.Tensor | None:
+    """The tensors of one leaf stacked, or ``None`` when the leaf holds numbers."""
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        types = sorted({type(v).__name__ for v in values})
+        raise TypeError(f"{name}: {where()} must be all tensors or all numbers, got types {types}")
     try:
         return torch.stack(values)
     except RuntimeError as error:
@@ -129,22 +133,6 @@ def _stack(values: list[Any], where: Callable[[], str], name: str) -> torch.Tens
         raise ValueError(
             f"{name}: {where()} has different shapes across partitions: {shapes}"
         ) from error
-
-
-def _kind(values: list[Any], where: Callable[[], str], name: str) -> str:
-    if all(isinstance(v, torch.Tensor) for v in values):
-        return "tensor"
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        return "number"
-    types = sorted({type(v).__name__ for v in values})
-    raise TypeError(f"{name}: {where()} must be all tensors or all numbers, got types {types}")
-
-
-def _weights(results: Sequence[Any]) -> tuple[int, ...] | None:
-    sizes = getattr(results, "sizes", None)
-    if sizes is None or len(sizes) != len(results) or len(set(sizes)) <= 1:
-        return None
-    return tuple(sizes)
 
 
 def mean_reducer(results: Sequence[Any]) -> Any:
@@ -171,18 +159,21 @@ def mean_reducer(results: Sequence[Any]) -> Any:
         >>> mean_reducer([(torch.tensor(1.0), 2.0), (torch.tensor(3.0), 4.0)])
         (tensor(2.), 3.0)
     """
-    weights = _weights(results)
+    sizes = getattr(results, "sizes", None)
+    weights = None  # equal sizes: the unweighted mean
+    if sizes is not None and len(sizes) == len(results) and len(set(sizes)) > 1:
+        weights = tuple(sizes)
     total = sum(weights) if weights is not None else len(results)
 
     def combine(values: list[Any], where: Callable[[], str]) -> Any:
         one = values[0]
         if len(values) == 1 and isinstance(one, torch.Tensor) and one.is_floating_point():
             return one  # the mean of one partition is its result, exactly (a world of 1)
-        if _kind(values, where, "mean_reducer") == "number":
+        stacked = _stacked(values, where, "mean_reducer")
+        if stacked is None:
             if weights is None:
                 return sum(values) / total
             return sum(w * v for w, v in zip(weights, values, strict=True)) / total
-        stacked = _stack(values, where, "mean_reducer")
         if not (stacked.is_floating_point() or stacked.is_complex()):
             stacked = stacked.to(torch.get_default_dtype())
         if weights is None:
@@ -214,9 +205,8 @@ def sum_reducer(results: Sequence[Any]) -> Any:
     """
 
     def combine(values: list[Any], where: Callable[[], str]) -> Any:
-        if _kind(values, where, "sum_reducer") == "number":
-            return sum(values)
-        return _stack(values, where, "sum_reducer").sum(0)
+        stacked = _stacked(values, where, "sum_reducer")
+        return sum(values) if stacked is None else stacked.sum(0)
 
     return _leafwise(results, "sum_reducer", combine)
 
@@ -242,7 +232,6 @@ def cat_reducer(results: Sequence[Any], dim: int = 0) -> Any:
         >>> cat_reducer([torch.zeros(2, 3), torch.ones(1, 3)]).shape
         torch.Size([3, 3])
     """
-
     return _join(results, "cat_reducer", "concatenate", torch.cat, dim)
 
 
@@ -266,7 +255,6 @@ def stack_reducer(results: Sequence[Any], dim: int = 0) -> Any:
         >>> stack_reducer([torch.zeros(3), torch.ones(3)]).shape
         torch.Size([2, 3])
     """
-
     return _join(results, "stack_reducer", "stack", torch.stack, dim)
 
 

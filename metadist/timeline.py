@@ -208,6 +208,5 @@ def record(path: str | os.PathLike[str] | None = None) -> Iterator[Timeline]:
             timeline.save(path)
 
 
-def now() -> float:
-    """The clock the timeline uses (comparable across processes of one machine)."""
-    return time.time()
+#: The clock the timeline uses (comparable across processes of one machine).
+now = time.time
