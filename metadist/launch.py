@@ -469,9 +469,9 @@ def _run_in_world(
         # TensorPipe's shared-memory transport busy-polls: each idle worker burns a whole core
         # (measured: 2.6 s of CPU per 3 s idle), which halves a CPU job with one worker per core.
         # The TCP transport ("uv", over loopback on one node) waits in epoll instead. Tensors
-        # travel in that connection ("basic" channel): the cross-memory-attach channel torch
-        # picks otherwise adds a thread hop and a message, slower at every size measured on
-        # one node (round trip: 0.78 against 0.94 ms at 4 KB, 9.1 against 13.4 ms at 16 MB).
+        # travel in that connection ("basic" channel): torch's default choice of channels was
+        # slower at every size measured on one node (round trip: 0.78 against 0.86 ms at 4 KB,
+        # 8.4 against 13.9 ms at 16 MB; benchmarks/bench_rpc_channels.py).
         options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
     timeout = float(options.rpc_timeout)
     binding, url = _listener_and_rendezvous(launch, timeout)
