@@ -20,7 +20,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
@@ -262,15 +262,12 @@ def _rpc_error(
     )
 
 
-class _Linkable:
+class _Linkable(NamedTuple):
     """A kept result's leaves until the call links them (see ``_Call._linked``)."""
 
-    __slots__ = ("flat", "outputs", "spec")
-
-    def __init__(self, flat: list[Any], spec: Any, outputs: tuple[int, ...]) -> None:
-        self.flat = flat
-        self.spec = spec
-        self.outputs = outputs
+    flat: list[Any]
+    spec: Any
+    outputs: tuple[int, ...]
 
 
 #: Partitions a synchronous call keeps in flight on each remote worker; the others wait on the
@@ -290,40 +287,6 @@ class _Call:
     schedule, to whichever worker finished): from the RPC thread that saw it finish, or, inside
     a distributed autograd context, from the calling thread, which alone holds the context.
     """
-
-    __slots__ = (
-        "arrivals",
-        "bar",
-        "call_number",
-        "compression",
-        "context_id",
-        "differentiable",
-        "dynamic",
-        "encoded",
-        "func",
-        "func_name",
-        "futures",
-        "grad_mode",
-        "gradients",
-        "in_flight",
-        "input_nodes",
-        "local",
-        "lock",
-        "new_structures",
-        "own",
-        "parts",
-        "positions",
-        "queues",
-        "records",
-        "reducer",
-        "sizes",
-        "sources",
-        "timeline",
-        "timeout",
-        "token",
-        "workers",
-        "world_token",
-    )
 
     def __init__(self, func_name: str, workers: list[str]) -> None:
         count = len(workers)

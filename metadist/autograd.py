@@ -36,7 +36,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -93,19 +93,14 @@ def _release_when_dropped(ctx: Any, world_token: object, kept: list[tuple[str, i
     weakref.finalize(ctx.marker, _release, world_token, kept)  # ``kept`` may still grow
 
 
-class Part:
+class Part(NamedTuple):
     """One remote partition's kept graph, as the caller sees it."""
 
-    __slots__ = ("inputs", "number", "outputs", "record", "worker")
-
-    def __init__(
-        self, worker: str, number: int, inputs: list[int], outputs: int, record: Any
-    ) -> None:
-        self.worker = worker
-        self.number = number
-        self.inputs = inputs  # positions in the call's argument list
-        self.outputs = outputs  # how many of the results' tensors require grad
-        self.record = record  # the partition's timeline record, or None
+    worker: str
+    number: int
+    inputs: list[int]  # positions in the call's argument list
+    outputs: int  # how many of the results' tensors require grad
+    record: Any  # the partition's timeline record, or None
 
 
 class RemoteGradients:
@@ -235,17 +230,12 @@ def _second_order(  # noqa: PLR0917
     return result
 
 
-class _KeptGraph:
-    __slots__ = ("compression", "number", "outputs", "worker", "world_token")
-
-    def __init__(
-        self, worker: str, number: int, outputs: int, world_token: object, compression: Any
-    ) -> None:
-        self.worker = worker
-        self.number = number
-        self.outputs = outputs
-        self.world_token = world_token
-        self.compression = compression
+class _KeptGraph(NamedTuple):
+    worker: str
+    number: int
+    outputs: int
+    world_token: object
+    compression: Any
 
 
 class _Kept(torch.autograd.Function):

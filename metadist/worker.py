@@ -19,7 +19,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.rpc as rpc
@@ -160,7 +160,7 @@ def _drop(numbers: tuple[int, ...]) -> None:
                 _GRAPHS.pop(number, None)
 
 
-class Graph:
+class Graph(NamedTuple):
     """A partition's result whose graph the worker kept: the result detached, and its number.
 
     ``outputs`` are the flat indices (in the result's pytree) of the tensors that require grad;
@@ -170,36 +170,18 @@ class Graph:
     to its own tensors' ``.grad``, as the same code run in its process would have.
     """
 
-    __slots__ = ("number", "outputs", "value", "written")
-
-    def __init__(
-        self,
-        value: Any,
-        number: int,
-        outputs: tuple[int, ...],
-        written: tuple[tuple[int, torch.Tensor], ...] = (),
-    ) -> None:
-        self.value = value
-        self.number = number
-        self.outputs = outputs
-        self.written = written
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Graph, (self.value, self.number, self.outputs, self.written))
+    value: Any
+    number: int
+    outputs: tuple[int, ...]
+    written: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
-class Timed:
+class Timed(NamedTuple):
     """A partition's result with the worker's clock at the start and the end of the function."""
 
-    __slots__ = ("end", "start", "value")
-
-    def __init__(self, value: Any, start: float, end: float) -> None:
-        self.value = value
-        self.start = start
-        self.end = end
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Timed, (self.value, self.start, self.end))
+    value: Any
+    start: float
+    end: float
 
 
 def check_result(result: Any) -> None:
@@ -331,7 +313,7 @@ def _run_partition(  # noqa: PLR0917 - positional on the wire
                 result = _kept(result, leaves)
         if compression is not None:
             if isinstance(result, Graph):
-                result.value = transport.compress_tree(result.value, compression)
+                result = result._replace(value=transport.compress_tree(result.value, compression))
             else:
                 result = transport.compress_tree(result, compression)
     except Exception as error:
