@@ -32,9 +32,10 @@ from torch import nn
 
 import metadist
 from metadist import transport
-from metadist.api import _run_partition, remote_sync_call
+from metadist.api import remote_sync_call
 from metadist.network import free_loopback_port
 from metadist.reduce import sum_reducer
+from metadist.worker import run_partition
 
 WORLD_SIZE = 3
 
@@ -153,7 +154,7 @@ def _driver(calls: int, rounds: int) -> None:
     structure = len(transport._PLANS[model].structure)
 
     def sent(encoded: tuple[Any, ...]) -> int:
-        return _wire_bytes((_run_partition, (echo, encoded[0], encoded[1], True, None), {}))
+        return _wire_bytes((run_partition, (echo, encoded[0], encoded[1], True, None), {}))
 
     print(f"\nbytes per call, model argument with {n_params:,} parameters (+ a 6 KiB input):")
     print(f"  module pickled whole (plain RPC)     {whole:>12,}  (parameters arrive detached)")

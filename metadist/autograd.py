@@ -486,12 +486,6 @@ def _open_contexts() -> int:
         return len(_RECORDS)
 
 
-# Contexts opened by context() in which no backward pass has run yet: their map is empty, so a
-# first pass needs no snapshot and its gradients are exact.
-_FRESH: set[int] = set()
-_FRESH_LOCK = threading.Lock()
-
-
 @contextlib.contextmanager
 def context() -> Iterator[int]:
     """Open a distributed autograd context; yields its id.
@@ -516,8 +510,6 @@ def context() -> Iterator[int]:
     """
     require_rpc("metadist.autograd.context")
     with dist_autograd.context() as context_id:
-        with _FRESH_LOCK:
-            _FRESH.add(context_id)
         stack: list[int] | None = getattr(_THREAD, "stack", None)
         if stack is None:
             stack = _THREAD.stack = []
@@ -528,8 +520,6 @@ def context() -> Iterator[int]:
             stack.remove(context_id)
             with _RECORDS_LOCK:
                 _RECORDS.pop(context_id, None)
-            with _FRESH_LOCK:
-                _FRESH.discard(context_id)
 
 
 def _roots(tensors: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
@@ -656,11 +646,6 @@ def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> int:
 
 
 def _snapshot(context_id: int, only: list[torch.Tensor] | None) -> dict[torch.Tensor, torch.Tensor]:
-    with _FRESH_LOCK:
-        fresh = context_id in _FRESH
-        _FRESH.discard(context_id)
-    if fresh:
-        return {}
     grads = _dist_get_gradients(context_id)
     if only is None:
         return {t: g.clone() for t, g in grads.items()}

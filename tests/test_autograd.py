@@ -870,6 +870,15 @@ def grad_returns_new_tensors_and_never_double_counts(world_size: int) -> None:
         assert rel_err(s, r) <= 1e-5
     for p, r in zip(params, ref_grads, strict=True):  # the raw map holds both passes
         assert rel_err(gradient_map[p], 2 * r) <= 1e-5
+    # torch's own backward first in the same context: grad() still returns its pass alone.
+    with mag.context() as ctx:
+        loss = remote_sync_call(
+            maml_loss, args=(model, *tasks), partitioner=dim_partitioner(0), reducer=mean_reducer
+        )
+        torch.distributed.autograd.backward(ctx, [loss], retain_graph=True)
+        after_torch = mag.grad(ctx, loss, params)
+    for g, r in zip(after_torch, ref_grads, strict=True):
+        assert rel_err(g, r) <= 1e-5, rel_err(g, r)
 
 
 def backward_accumulates_like_torch_autograd(world_size: int) -> None:
