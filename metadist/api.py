@@ -283,9 +283,10 @@ class _Call:
     Partitions whose worker is the caller itself run in-process, on the calling thread
     (``local`` holds their outcomes); the others are RPC futures. An asynchronous call sends
     every remote partition at once; a synchronous one sends at most
-    :data:`IN_FLIGHT_PER_WORKER` per worker and the next as each one finishes (for a dynamic
-    schedule, to whichever worker finished): from the RPC thread that saw it finish, or, inside
-    a distributed autograd context, from the calling thread, which alone holds the context.
+    :data:`IN_FLIGHT_PER_WORKER` per worker (one for a dynamic schedule outside a context) and
+    the next as each one finishes (for a dynamic schedule, to whichever worker finished): from
+    the RPC thread that saw it finish, or, inside a distributed autograd context, from the
+    calling thread, which alone holds the context.
     """
 
     def __init__(self, func_name: str, workers: list[str]) -> None:
@@ -320,6 +321,7 @@ class _Call:
         self.parts: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         self.encoded: dict[int, tuple[Any, ...]] = {}
         self.dynamic = False
+        self.bound = IN_FLIGHT_PER_WORKER
         # Partitions waiting to be sent, per worker (a dynamic schedule has one shared queue,
         # keyed ""); the caller's own partitions wait under its own name.
         self.queues: dict[str, collections.deque[int]] = {}
@@ -418,10 +420,10 @@ class _Call:
         pending = self.queues.get("" if self.dynamic else worker)
         return pending.popleft() if pending else None
 
-    def fill(self, worker: str, bound: int = IN_FLIGHT_PER_WORKER) -> None:
-        """Send ``worker`` its next partitions, up to ``bound`` in flight."""
+    def fill(self, worker: str, extra: int = 0) -> None:
+        """Send ``worker`` its next partitions, up to ``self.bound + extra`` in flight."""
         with self.lock:
-            while self.in_flight.get(worker, 0) < bound:
+            while self.in_flight.get(worker, 0) < self.bound + extra:
                 index = self._next_for(worker)
                 if index is None:
                     return
@@ -458,7 +460,7 @@ class _Call:
                         # one more to go on with meanwhile, unless the end is near (the last
                         # partitions go to whoever frees up first).
                         for worker in remote_workers:
-                            self.fill(worker, IN_FLIGHT_PER_WORKER + 1)
+                            self.fill(worker, extra=1)
                     self.run_here(index)
                     continue
             if not self._busy():
@@ -699,6 +701,12 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     # A dynamic schedule decides the workers as they free up (synchronous calls only: only the
     # calling thread holds the distributed autograd context the sends must carry).
     call.dynamic = sync and schedule == "dynamic" and len(parts) > 1
+    if call.dynamic and call.context_id is None:
+        # Slots are handed out from the RPC thread the moment a partition finishes, so a
+        # second one in flight hides no latency: it only commits a task to a worker that may
+        # be busy with a long one (8,1,1,1,8,1,1,1 inner steps: 1.40x faster than static with
+        # one in flight, 1.25x with two; bench_schedule.py --costs).
+        call.bound = 1
     workers = list(dict.fromkeys(name for name, _, _ in parts))
     remote = [i for i, (name, _, _) in enumerate(parts) if call.dynamic or name != own]
     if remote:

@@ -346,9 +346,9 @@ def dim_partitioner(
       ``keepdim=False`` removes the split dimension (``(T, B, ...)`` becomes ``T`` tensors of
       shape ``(B, ...)``).
     * ``schedule="dynamic"`` (with ``exclusive=True``): a synchronous call hands each item to
-      the next worker that frees up (two or three in flight per worker), instead of fixing the
-      round-robin assignment before anything runs; for items of uneven cost. Results are reduced
-      in item order either way.
+      the next worker that frees up (one in flight per worker; two or three inside a
+      distributed autograd context), instead of fixing the round-robin assignment before
+      anything runs; for items of uneven cost. Results are reduced in item order either way.
 
     Args:
         dim: The dimension to split (negative counts from the end).
