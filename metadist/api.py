@@ -574,7 +574,6 @@ class _Call:
         self.gradients.parts.append(
             autograd.Part(worker, graph.number, self.positions[index], len(graph.outputs), record)
         )
-        self.gradients.kept.append((worker, graph.number))
         return _Linkable(flat, spec, graph.outputs)
 
     def _linked(self, outcomes: list[tuple[bool, Any]]) -> list[tuple[bool, Any]]:
@@ -620,11 +619,8 @@ class _Call:
     def future(self) -> Future[Any]:
         """A future completed (by the last partition's callback) with :meth:`collect`."""
         result: Future[Any] = Future()
-        pending = [f for f in self.futures if f is not None]
-        remaining = [len(pending)]
-        lock = threading.Lock()
 
-        def finish() -> None:
+        def finish(_: Future[Any]) -> None:
             try:
                 value = self.collect()
             except BaseException as error:
@@ -632,17 +628,10 @@ class _Call:
             else:
                 result.set_result(value)
 
-        def on_done(_: Future[Any]) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                finish()
-
-        if not pending:
-            finish()
-        for future in pending:
-            future.add_done_callback(on_done)
+        # collect_all completes once every future has, failed ones included (at once if none).
+        torch.futures.collect_all([f for f in self.futures if f is not None]).add_done_callback(
+            finish
+        )
         return result
 
 

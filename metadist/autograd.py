@@ -81,16 +81,16 @@ def released(world_token: object, worker: str) -> tuple[int, ...]:
     return tuple(numbers) if numbers else ()
 
 
-def _release(world_token: object, kept: list[tuple[str, int]]) -> None:
+def _release(world_token: object, parts: list[Part]) -> None:
     with _RELEASED_LOCK:
-        for worker, number in kept:
-            _RELEASED.setdefault((world_token, worker), []).append(number)
+        for part in parts:
+            _RELEASED.setdefault((world_token, part.worker), []).append(part.number)
 
 
-def _release_when_dropped(ctx: Any, world_token: object, kept: list[tuple[str, int]]) -> None:
-    """Release ``kept`` when the node ``ctx`` is freed with the caller's graph."""
+def _release_when_dropped(ctx: Any, world_token: object, parts: list[Part]) -> None:
+    """Release the graphs of ``parts`` when the node ``ctx`` is freed with the caller's graph."""
     ctx.marker = torch.empty(0)
-    weakref.finalize(ctx.marker, _release, world_token, kept)  # ``kept`` may still grow
+    weakref.finalize(ctx.marker, _release, world_token, parts)  # ``parts`` may still grow
 
 
 class Part(NamedTuple):
@@ -112,10 +112,10 @@ class RemoteGradients:
         self.inputs = inputs
         self.world_token = world_token
         self.compression = compression
-        self.parts: list[Part] = []
-        self.kept: list[tuple[str, int]] = []  # what the release marker releases
-        self.futures: dict[str, Any] = {}
-        self.sent: list[tuple[Part, list[torch.Tensor | None]]] = []
+        self.parts: list[Part] = []  # also what the release marker releases
+        # Per worker: the parts this pass reached, with their outputs' gradients, and the
+        # future of the answer.
+        self.sent: dict[str, tuple[list[tuple[Part, list[torch.Tensor | None]]], Any]] = {}
         self.probes: list[Callable[[], torch.Tensor | None]] = []  # per output: see _Probe
 
     def send(
@@ -133,8 +133,7 @@ class RemoteGradients:
             offset += part.outputs
             if any(g is not None for g in mine):
                 per_worker.setdefault(part.worker, []).append((part, mine))
-        self.sent = [item for items in per_worker.values() for item in items]
-        self.futures = {}
+        self.sent = {}
         log = timeline.active()
         for worker, items in per_worker.items():
             if log is not None:
@@ -142,22 +141,22 @@ class RemoteGradients:
                 for part, _ in items:
                     if part.record is not None:
                         part.record.gradients_sent = timeline.now()
-            self.futures[worker] = request(
+            future = request(
                 worker,
                 [(p.number, g, not retain and all(t is not None for t in g)) for p, g in items],
                 create_graph or retain,
                 create_graph,
                 self.compression,
             )
+            self.sent[worker] = (items, future)
 
     def collect(self, inputs: tuple[torch.Tensor, ...], create_graph: bool) -> list[Any]:
         """Wait for the answers; return the gradient of each argument (``None``: not reached)."""
+        sent, self.sent = self.sent, {}
+        answered = {worker: answers(worker, future) for worker, (_, future) in sent.items()}
         totals: list[torch.Tensor | None] = [None] * self.inputs
-        by_worker: dict[str, list[Any]] = {}
-        for worker, future in self.futures.items():
-            by_worker[worker] = answers(worker, future)
-        for worker, items in _grouped(self.sent).items():
-            for (part, grads), (answer, number, diff) in zip(items, by_worker[worker], strict=True):
+        for worker, (items, _) in sent.items():
+            for (part, grads), (answer, number, diff) in zip(items, answered[worker], strict=True):
                 found = answer
                 if create_graph and number >= 0:
                     found = _second_order(part, inputs, grads, answer, number, diff, self)
@@ -165,16 +164,7 @@ class RemoteGradients:
                     if g is not None:
                         total = totals[position]
                         totals[position] = g if total is None else total + g
-        self.futures = {}
-        self.sent = []
         return totals
-
-
-def _grouped(sent: list[tuple[Part, Any]]) -> dict[str, list[tuple[Part, Any]]]:
-    grouped: dict[str, list[tuple[Part, Any]]] = {}
-    for part, grads in sent:
-        grouped.setdefault(part.worker, []).append((part, grads))
-    return grouped
 
 
 def request(
@@ -222,20 +212,14 @@ def _second_order(  # noqa: PLR0917
 ) -> list[torch.Tensor | None]:
     """The answer as the output of a node of its own, differentiable again (create_graph)."""
     sources = [inputs[p] for p in part.inputs] + [g for g in grads if g is not None]
-    graph = _KeptGraph(part.worker, number, len(diff), state.world_token, state.compression)
-    linked = _Kept.apply(graph, [found[i] for i in diff], *sources)
+    kept = Part(part.worker, number, list(range(len(sources))), len(diff), None)
+    linked = _Kept.apply(
+        kept, state.world_token, state.compression, [found[i] for i in diff], *sources
+    )
     result = list(found)
     for i, t in zip(diff, linked, strict=True):
         result[i] = t
     return result
-
-
-class _KeptGraph(NamedTuple):
-    worker: str
-    number: int
-    outputs: int
-    world_token: object
-    compression: Any
 
 
 class _Kept(torch.autograd.Function):
@@ -243,27 +227,30 @@ class _Kept(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, graph: _KeptGraph, outputs: list[torch.Tensor], *sources: torch.Tensor
+        ctx: Any,
+        part: Part,
+        world_token: object,
+        compression: Any,
+        outputs: list[torch.Tensor],
+        *sources: torch.Tensor,
     ) -> Any:
-        ctx.graph = graph
+        ctx.part, ctx.world_token, ctx.compression = part, world_token, compression
         ctx.sources = sources  # inputs: holding them makes no reference cycle
         ctx.set_materialize_grads(False)
-        _release_when_dropped(ctx, graph.world_token, [(graph.worker, graph.number)])
+        _release_when_dropped(ctx, world_token, [part])
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        graph: _KeptGraph = ctx.graph
         sources = ctx.sources
         if all(g is None for g in grads):
-            return (None, None, *[None] * len(sources))
+            return (None, None, None, None, *[None] * len(sources))
         create_graph = torch.is_grad_enabled()
-        part = Part(graph.worker, graph.number, list(range(len(sources))), graph.outputs, None)
-        state = RemoteGradients(len(sources), graph.world_token, graph.compression)
-        state.parts = [part]
+        state = RemoteGradients(len(sources), ctx.world_token, ctx.compression)
+        state.parts = [ctx.part]
         # A higher-order graph is kept for every pass (dropped with the caller's graph).
         state.send(grads, create_graph, retain=True)
-        return (None, None, *state.collect(tuple(sources), create_graph))
+        return (None, None, None, None, *state.collect(tuple(sources), create_graph))
 
 
 class _Arguments(torch.autograd.Function):
@@ -271,7 +258,7 @@ class _Arguments(torch.autograd.Function):
     def forward(ctx: Any, state: RemoteGradients, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.state = state
         ctx.inputs = inputs  # for create_graph; inputs make no reference cycle
-        _release_when_dropped(ctx, state.world_token, state.kept)
+        _release_when_dropped(ctx, state.world_token, state.parts)
         return torch.zeros(())
 
     @staticmethod
