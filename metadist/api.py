@@ -501,13 +501,11 @@ class _Call:
             record.start, record.end, value = value.start, value.end, value.value
             kept = value.value if isinstance(value, remote_worker.Graph) else value
             record.bytes_in = transport.wire_bytes(kept)
-        if isinstance(value, RemoteFailure):
-            if value.stage != "decode":  # the worker cached the structures before the call
-                transport.mark_structure_confirmed(
-                    self.world_token, worker, self.new_structures[index]
-                )
+        failed = isinstance(value, RemoteFailure)
+        if not failed or value.stage != "decode":  # the worker cached the structures it got
+            transport.mark_structure_confirmed(self.world_token, worker, self.new_structures[index])
+        if failed:
             return False, value.to_exception(index, len(self.workers), self.func_name)
-        transport.mark_structure_confirmed(self.world_token, worker, self.new_structures[index])
         graph = None
         if isinstance(value, remote_worker.Graph):
             graph, value = value, value.value

@@ -163,15 +163,20 @@ def pack_tensors(tensors: list[torch.Tensor | None]) -> Any:
         [tensor([1., 1.]), None, tensor([[0.]])]
     """
     present = [t for t in tensors if t is not None]
-    if (
-        len(present) < 2
-        or len({t.dtype for t in present}) > 1
-        or any(t.layout != torch.strided for t in present)
-        or sum(t.numel() for t in present) * present[0].element_size() > PACK_BYTES
-    ):
+    if not _packable(present):
         return tensors
     flat = torch.cat([t.reshape(-1) for t in present])
     return _Packed(flat, tuple(None if t is None else t.shape for t in tensors))
+
+
+def _packable(tensors: list[torch.Tensor]) -> bool:
+    """Several dense tensors of one dtype, small enough that one copy costs less than many."""
+    return (
+        len(tensors) >= 2
+        and len({t.dtype for t in tensors}) == 1
+        and all(t.layout == torch.strided for t in tensors)
+        and sum(t.numel() for t in tensors) * tensors[0].element_size() <= PACK_BYTES
+    )
 
 
 def unpack_tensors(packed: Any) -> list[torch.Tensor | None]:
@@ -521,11 +526,7 @@ def _pack(
 ) -> Any:
     """The module's parameters as one :class:`_Packed` tensor, or ``None`` where that won't do."""
     tensors = [p for _, _, p in plan.param_reads]
-    if len(tensors) < 2 or len({t.dtype for t in tensors}) > 1:
-        return None
-    if any(t.layout != torch.strided for t in tensors):
-        return None
-    if sum(t.numel() for t in tensors) * tensors[0].element_size() > PACK_BYTES:
+    if not _packable(tensors):
         return None
     if any(getattr(m, "sparse", False) is True for m in modules):
         return None  # sparse gradients cannot flow through the flat buffer's views

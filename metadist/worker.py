@@ -212,12 +212,9 @@ def _kept(result: Any, leaves: list[torch.Tensor]) -> Any:
     # Without leaves of the caller's under them, the tensors travel as leaves that require
     # grad, as a fresh leaf made inside a local call would be.
     number = _keep(leaves, [flat[i] for i in outputs]) if outputs and leaves else -1
-    value = tree_unflatten([_detach(t) for t in flat], spec) if outputs else result
+    detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+    value = tree_unflatten(detached, spec) if outputs else result
     return Graph(value, number, outputs, written)
-
-
-def _detach(leaf: Any) -> Any:
-    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
 
 
 class _TieToInput(torch.autograd.Function):
@@ -405,8 +402,7 @@ def _vjp_one(
     if create_graph:
         diff = tuple(i for i, g in enumerate(answer) if g is not None and g.requires_grad)
         if diff:
-            kept = [g for i, g in enumerate(answer) if i in diff and g is not None]
-            number = _keep([*leaves, *grad_leaves], kept)
+            number = _keep([*leaves, *grad_leaves], [found[i] for i in diff])
         answer = [None if g is None else g.detach() for g in answer]
     if compression is not None:
         return transport.compress_tree(answer, compression), number, diff
