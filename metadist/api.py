@@ -232,12 +232,6 @@ def _partitions(
     return parts, sizes, getattr(raw, "schedule", "static")
 
 
-def _located(error: BaseException, worker: str, index: int) -> BaseException:
-    error.worker_name = worker  # type: ignore[attr-defined]
-    error.partition_index = index  # type: ignore[attr-defined]
-    return error
-
-
 def _rpc_error(
     error: BaseException, index: int, count: int, worker: str, timeout: float
 ) -> BaseException:
@@ -245,14 +239,12 @@ def _rpc_error(
     if is_timeout(error):
         if timeout == rpc.constants.UNSET_RPC_TIMEOUT:
             timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
-        return _located(
-            TimeoutError(
-                f"partition {index} of {count} on worker {worker!r} did not finish within the "
-                f"timeout of {timeout} s: {text}"
-            ),
-            worker,
-            index,
+        late = TimeoutError(
+            f"partition {index} of {count} on worker {worker!r} did not finish within the "
+            f"timeout of {timeout} s: {text}"
         )
+        late.worker_name, late.partition_index = worker, index  # type: ignore[attr-defined]
+        return late
     return RemoteError(
         f"partition {index} of {count} on worker {worker!r} failed in RPC: "
         f"{type(error).__name__}: {text}",
@@ -383,10 +375,7 @@ class _Call:
         if self.context_id is None:
             # Sends carry no distributed autograd context: hand the freed slot out from here,
             # so that the worker goes on while the caller computes partitions of its own.
-            with self.lock:
-                worker = self.workers[index]
-                self.in_flight[worker] -= 1
-                self.fill(worker)
+            self._free(index)
             index = -1  # only wakes the caller
         self.arrivals.put(index)
 
@@ -420,6 +409,13 @@ class _Call:
         pending = self.queues.get("" if self.dynamic else worker)
         return pending.popleft() if pending else None
 
+    def _free(self, index: int) -> None:
+        """Partition ``index`` finished: send its worker the next one."""
+        with self.lock:
+            worker = self.workers[index]
+            self.in_flight[worker] -= 1
+            self.fill(worker)
+
     def fill(self, worker: str, extra: int = 0) -> None:
         """Send ``worker`` its next partitions, up to ``self.bound + extra`` in flight."""
         with self.lock:
@@ -428,10 +424,6 @@ class _Call:
                 if index is None:
                     return
                 self.send(index, worker)
-
-    def _busy(self) -> bool:
-        with self.lock:
-            return any(self.in_flight.values())
 
     def drive(self, remote_workers: list[str], runs_here: bool) -> None:
         """Send and run every partition; return when none is left to start or in flight."""
@@ -444,9 +436,7 @@ class _Call:
                 except queue.Empty:
                     break
                 if done >= 0:
-                    worker = self.workers[done]
-                    self.in_flight[worker] -= 1
-                    self.fill(worker)
+                    self._free(done)
             if runs_here:
                 with self.lock:
                     index = self._next_for(self.own)
@@ -463,8 +453,9 @@ class _Call:
                             self.fill(worker, extra=1)
                     self.run_here(index)
                     continue
-            if not self._busy():
-                return
+            with self.lock:
+                if not any(self.in_flight.values()):
+                    return
             self.arrivals.put(self._wait_for_arrival())
 
     def _wait_for_arrival(self) -> int:

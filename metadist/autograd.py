@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -334,6 +335,7 @@ def results_node(
 _THREAD = threading.local()
 
 
+@dataclasses.dataclass(slots=True)
 class _ContextRecord:
     """Autograd nodes of the remote results received in one metadist context.
 
@@ -342,21 +344,18 @@ class _ContextRecord:
     remote call made in the context), so they are kept until the context closes.
     """
 
-    __slots__ = ("dangling", "freed", "inputs_of", "nodes", "passed")
-
-    def __init__(self) -> None:
-        self.nodes: list[Any] = []
-        # For each result node, the graph nodes of the differentiable arguments of the call that
-        # produced it: the worker ties its results to every such argument, so reaching the
-        # result reaches them too (how a result sent on to a second call gets its gradient).
-        self.inputs_of: dict[int, list[Any]] = {}
-        # Functions of calls that were sent tensors requiring grad but returned nothing
-        # differentiable: the workers' half of their graph can never be reached.
-        self.dangling: list[str] = []
-        # nodes[:passed] were reached by a completed backward pass; nodes[:freed] by one without
-        # retain_graph, which freed their graph (on the workers too).
-        self.passed = 0
-        self.freed = 0
+    nodes: list[Any] = dataclasses.field(default_factory=list)
+    # For each result node, the graph nodes of the differentiable arguments of the call that
+    # produced it: the worker ties its results to every such argument, so reaching the result
+    # reaches them too (how a result sent on to a second call gets its gradient).
+    inputs_of: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    # Functions of calls that were sent tensors requiring grad but returned nothing
+    # differentiable: the workers' half of their graph can never be reached.
+    dangling: list[str] = dataclasses.field(default_factory=list)
+    # nodes[:passed] were reached by a completed backward pass; nodes[:freed] by one without
+    # retain_graph, which freed their graph (on the workers too).
+    passed: int = 0
+    freed: int = 0
 
 
 _RECORDS: dict[int, _ContextRecord] = {}
@@ -554,8 +553,10 @@ def check_context(context_id: int, api: str) -> None:
         api: The public name the user called, for the message.
 
     Raises:
+        RuntimeError: RPC is not running.
         ValueError: ``context_id`` is not an int, or no such context exists in this process.
     """
+    require_rpc(api)
     if isinstance(context_id, bool) or not isinstance(context_id, int):
         raise ValueError(f"{api}: context_id must be an int, got {context_id!r}")
     try:
@@ -706,7 +707,6 @@ def backward(
         >>> main()
         tensor([3., 3.])
     """
-    require_rpc("metadist.autograd.backward")
     check_context(context_id, "metadist.autograd.backward")
     roots = _roots(tensors, "tensors")
     targets = None if inputs is None else _leaves(inputs, "inputs")
@@ -760,7 +760,6 @@ def grad(
         >>> main()
         (tensor([3., 3.]), tensor([3., 3.]))
     """
-    require_rpc("metadist.autograd.grad")
     check_context(context_id, "metadist.autograd.grad")
     roots = _roots(outputs, "outputs")
     targets = _leaves(inputs, "inputs")
@@ -798,7 +797,6 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
         >>> main()
         {}
     """
-    require_rpc("metadist.autograd.get_gradients")
     check_context(context_id, "metadist.autograd.get_gradients")
     return {t: g.clone() for t, g in _dist_get_gradients(context_id).items()}
 

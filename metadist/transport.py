@@ -195,10 +195,8 @@ class _ModuleRef(_Wire):
 
     fingerprint: str
     structure: bytes | None
-    params: tuple[torch.Tensor, ...] | _Packed
-    param_dtypes: tuple[torch.dtype, ...] | None
-    buffers: tuple[torch.Tensor | None, ...]
-    buffer_dtypes: tuple[torch.dtype | None, ...] | None
+    params: tuple[torch.Tensor | _Compressed, ...] | _Packed
+    buffers: tuple[torch.Tensor | _Compressed | None, ...]
     training: int
     requires_grad: int
 
@@ -443,22 +441,19 @@ def _is_confirmed(world: object, worker: str, fingerprint: str) -> bool:
     return known is not None and fingerprint in known
 
 
-def _wire(
-    tensor: torch.Tensor, dtype: torch.dtype | None
-) -> tuple[torch.Tensor, torch.dtype | None]:
+def _wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | _Compressed:
+    """``tensor`` cast to the wire ``dtype`` (with its own dtype) where compression applies."""
     if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-        return tensor.to(dtype), tensor.dtype
-    return tensor, None
+        return _Compressed(tensor.to(dtype), tensor.dtype)
+    return tensor
 
 
+@dataclasses.dataclass(slots=True)
 class CallMemo:
     """Per-call memo so that a module or parameter used by several partitions is encoded once."""
 
-    __slots__ = ("modules", "tensors")
-
-    def __init__(self) -> None:
-        self.modules: dict[int, tuple[_SendPlan, tuple[Any, ...]]] = {}
-        self.tensors: dict[int, Any] = {}
+    modules: dict[int, tuple[_SendPlan, tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
+    tensors: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 def _encode_module(
@@ -472,51 +467,28 @@ def _encode_module(
     if cached is not None:
         return cached
     plan, modules = _plan_for(module, where)
-    params: list[torch.Tensor] = []
-    param_dtypes: list[torch.dtype] = []
-    requires_grad = 0
-    packed = _pack(plan, modules, dtype, attached)
-    for i, (k, _, p) in enumerate(plan.param_reads):
-        if packed is not None:
-            requires_grad |= int(p.requires_grad) << i
-            param_dtypes.append(p.dtype)
-            continue
-        if p.requires_grad:
-            requires_grad |= 1 << i
-        if attached and p.requires_grad:
-            # A non-leaf alias of the parameter is what distributed autograd records. view_as
-            # is the cheapest, but its backward reshapes, which sparse gradients (an
-            # nn.Embedding(sparse=True)) do not support; aten.alias passes them through.
-            sparse = getattr(modules[k], "sparse", False) is True
-            t = torch.ops.aten.alias.default(p) if sparse else p.view_as(p)
-        else:
-            t = p.detach()
-        t, original = _wire(t, dtype)
-        params.append(t)
-        param_dtypes.append(original if original is not None else p.dtype)
-    buffers: list[torch.Tensor | None] = []
-    buffer_dtypes: list[torch.dtype | None] = []
-    for k, name in plan.buffer_reads:
-        b = modules[k]._buffers.get(name)
-        if b is None:
-            buffers.append(None)
-            buffer_dtypes.append(None)
-            continue
-        wire, original = _wire(b.detach(), dtype)
-        buffers.append(wire)
-        buffer_dtypes.append(original)
-    training = 0
-    for i, m in enumerate(modules):
-        if m.training:
-            training |= 1 << i
-    parts = (
-        tuple(params) if packed is None else packed,
-        tuple(param_dtypes) if dtype is not None else None,
-        tuple(buffers),
-        tuple(buffer_dtypes) if dtype is not None else None,
-        training,
-        requires_grad,
+    requires_grad = sum(1 << i for i, (_, _, p) in enumerate(plan.param_reads) if p.requires_grad)
+    params: Any = _pack(plan, modules, dtype, attached)
+    if params is None:
+        params = []
+        for k, _, p in plan.param_reads:
+            if attached and p.requires_grad:
+                # A non-leaf alias of the parameter is what distributed autograd records.
+                # view_as is the cheapest, but its backward reshapes, which sparse gradients
+                # (an nn.Embedding(sparse=True)) do not support; aten.alias passes them through.
+                sparse = getattr(modules[k], "sparse", False) is True
+                params.append(
+                    _wire(torch.ops.aten.alias.default(p) if sparse else p.view_as(p), dtype)
+                )
+            else:
+                params.append(_wire(p.detach(), dtype))
+        params = tuple(params)
+    buffers = tuple(
+        None if (b := modules[k]._buffers.get(name)) is None else _wire(b.detach(), dtype)
+        for k, name in plan.buffer_reads
     )
+    training = sum(1 << i for i, m in enumerate(modules) if m.training)
+    parts = (params, buffers, training, requires_grad)
     memo.modules[id(module)] = (plan, parts)
     return plan, parts
 
@@ -533,10 +505,7 @@ def _pack(
     flat = torch.cat(
         [t.reshape(-1) if attached and t.requires_grad else t.detach().reshape(-1) for t in tensors]
     )
-    wire, original = _wire(flat, dtype)
-    return _Packed(
-        wire if original is None else _Compressed(wire, original), tuple(t.shape for t in tensors)
-    )
+    return _Packed(_wire(flat, dtype), tuple(t.shape for t in tensors))
 
 
 _SCALARS = (str, bytes, int, float, complex, bool, type(None))
@@ -685,8 +654,7 @@ def encode(
             changed = True
         elif isinstance(leaf, torch.Tensor):
             if leaf.requires_grad and not attached:
-                t, original = _wire(leaf.detach(), dtype)
-                leaves[i] = _GradLeaf(t if original is None else _Compressed(t, original))
+                leaves[i] = _GradLeaf(_wire(leaf.detach(), dtype))
                 sources.append(leaf)
                 changed = True
             elif isinstance(leaf, nn.Parameter):
@@ -694,14 +662,11 @@ def encode(
                 if wire is None:
                     # A plain-tensor view is what distributed autograd links to the parameter.
                     t = leaf.view_as(leaf) if leaf.requires_grad else leaf.detach()
-                    t, original = _wire(t, dtype)
-                    wire = memo.tensors[id(leaf)] = (
-                        t if original is None else _Compressed(t, original)
-                    )
+                    wire = memo.tensors[id(leaf)] = _wire(t, dtype)
                 leaves[i] = wire
                 changed = True
-            elif dtype is not None and leaf.is_floating_point() and leaf.dtype != dtype:
-                leaves[i] = _Compressed(leaf.to(dtype), leaf.dtype)
+            elif isinstance(wire := _wire(leaf, dtype), _Compressed):
+                leaves[i] = wire
                 changed = True
         elif not _is_plain(leaf):
             _refuse_hidden_grad(leaf, (args, kwargs, i))
@@ -746,10 +711,6 @@ class _Rebuilder:
 
     def __init__(self, skeleton: nn.Module, specs: tuple[_Spec, ...]) -> None:
         modules = list(skeleton.modules())
-        if len(modules) != len(specs):
-            raise RuntimeError(
-                f"module structure mismatch: {len(modules)} modules but {len(specs)} specs"
-            )
         skip = {"_parameters", "_buffers", "_modules", "training"}
         self.classes = tuple(type(m) for m in modules)
         self.bases = tuple({k: v for k, v in m.__dict__.items() if k not in skip} for m in modules)
@@ -803,14 +764,13 @@ def _rebuilder(fingerprint: str, structure: bytes | None) -> _Rebuilder:
     return rebuilder
 
 
-def _unwire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+def _unwire(item: Any) -> Any:
+    """Undo :func:`_wire` (anything else passes through)."""
+    return item.tensor.to(item.dtype) if isinstance(item, _Compressed) else item
 
 
 def _unpack(packed: _Packed, requires_grad: int) -> list[torch.Tensor]:
-    flat = packed.flat
-    if isinstance(flat, _Compressed):
-        flat = _unwire(flat.tensor, flat.dtype)
+    flat = _unwire(packed.flat)
     pieces = flat.split([shape.numel() for shape in packed.shapes])
     return [
         piece.view(shape) if requires_grad >> i & 1 else piece.detach().view(shape)
@@ -823,9 +783,7 @@ def _decode_module(ref: _ModuleRef, leaves: list[torch.Tensor] | None) -> nn.Mod
     if isinstance(ref.params, _Packed):
         params = _unpack(ref.params, ref.requires_grad)
     else:
-        params = list(ref.params)
-        if ref.param_dtypes is not None:
-            params = [_unwire(t, d) for t, d in zip(params, ref.param_dtypes, strict=True)]
+        params = [_unwire(t) for t in ref.params]
     if leaves is not None:
         # Sent detached: the worker's module holds nn.Parameter leaves, as the caller's does,
         # and the worker differentiates with respect to them when asked (metadist.worker).
@@ -834,13 +792,7 @@ def _decode_module(ref: _ModuleRef, leaves: list[torch.Tensor] | None) -> nn.Mod
             for i, t in enumerate(params)
         ]
         leaves.extend(p for p in params if p.requires_grad)
-    buffers = list(ref.buffers)
-    if ref.buffer_dtypes is not None:
-        buffers = [
-            None if b is None else _unwire(b, d)
-            for b, d in zip(buffers, ref.buffer_dtypes, strict=True)
-        ]
-    return rebuilder.build(params, buffers, ref.training)
+    return rebuilder.build(params, [_unwire(b) for b in ref.buffers], ref.training)
 
 
 def decode(
@@ -872,11 +824,9 @@ def decode(
         if isinstance(leaf, _ModuleRef):
             flat[i] = _decode_module(leaf, made)
         elif isinstance(leaf, _Compressed):
-            flat[i] = _unwire(leaf.tensor, leaf.dtype)
+            flat[i] = _unwire(leaf)
         elif isinstance(leaf, _GradLeaf):
-            t = leaf.tensor
-            if isinstance(t, _Compressed):
-                t = _unwire(t.tensor, t.dtype)
+            t = _unwire(leaf.tensor)
             flat[i] = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
             if made is not None:
                 made.append(flat[i])
@@ -900,10 +850,8 @@ def compress_tree(tree: Any, dtype: torch.dtype) -> Any:
         torch.float32
     """
     leaves, spec = tree_flatten(tree)
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
-            leaves[i] = _Compressed(leaf.to(dtype), leaf.dtype)
-    return tree_unflatten(leaves, spec)
+    wired = [_wire(t, dtype) if isinstance(t, torch.Tensor) else t for t in leaves]
+    return tree_unflatten(wired, spec)
 
 
 def decompress_tree(tree: Any) -> Any:
@@ -916,10 +864,7 @@ def decompress_tree(tree: Any) -> Any:
         The tree with tensors in their original dtypes.
     """
     leaves, spec = tree_flatten(tree)
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, _Compressed):
-            leaves[i] = _unwire(leaf.tensor, leaf.dtype)
-    return tree_unflatten(leaves, spec)
+    return tree_unflatten([_unwire(leaf) for leaf in leaves], spec)
 
 
 def wire_bytes(tree: Any) -> int:

@@ -363,6 +363,19 @@ def buffer_names(model: nn.Module, x: torch.Tensor) -> tuple[list[str], torch.Te
     return [name for name, _ in model.named_buffers()], model(x)
 
 
+class Mixed(nn.Module):
+    """Parameters of two dtypes (so they travel one by one, not packed) and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(4, 1).double()
+        self.register_buffer("shift", torch.full((4,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b((self.a(x) + self.shift).double()).float()
+
+
 def compression_is_close_but_not_exact(world_size: int) -> None:
     # Compression: results close to, but not equal to, the uncompressed ones.
     values = torch.randn(300)
@@ -372,6 +385,18 @@ def compression_is_close_but_not_exact(world_size: int) -> None:
         assert packed.dtype == torch.float32
         error = (packed - exact).abs().max().item()
         assert 0 < error < 0.05, (mode, error)
+    # A module whose parameters travel unpacked: values and gradients close, dtypes restored.
+    torch.manual_seed(0)
+    model, x = Mixed(), torch.randn(6, 8)
+    local = run_module(model, x)
+    local_grads = torch.autograd.grad(local, list(model.parameters()))
+    for mode in ("bf16", "fp16"):
+        out = remote_sync_call(run_module, args=(model, x), partitioner=1, compression=mode)[0]
+        grads = torch.autograd.grad(out, list(model.parameters()))
+        assert 0 < rel_err(out, local) < 0.05, (mode, rel_err(out, local))
+        for g, r in zip(grads, local_grads, strict=True):
+            assert g.dtype == r.dtype, (mode, g.dtype, r.dtype)
+            assert rel_err(g, r) < 0.05, (mode, rel_err(g, r))
 
 
 def module_structures_are_cached_per_worker(world_size: int) -> None:
