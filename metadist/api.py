@@ -642,17 +642,15 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     reducer: Reducer | None,
     timeout: float | None,
     compression: str | None,
-    *,
-    sync: bool,
-    progress: bool = False,
-    api: str = "metadist.remote_async_call",
+    progress: bool,
+    sync: bool = False,
 ) -> _Call:
     """Check the arguments, partition them, and send (or, in-process, run) every partition.
 
     A synchronous call returns once every partition has finished; an asynchronous one as soon
     as the remote partitions are sent and its own ones have run.
     """
-    require_rpc(api)
+    require_rpc("metadist.remote_sync_call" if sync else "metadist.remote_async_call")
     sendable = _sendable(func)
     if args is None:
         args = ()
@@ -791,17 +789,8 @@ def remote_async_call(
         >>> main()  # a world of 1: one partition
         [tensor([0., 1., 4., 9.])]
     """
-    return _start(
-        func,
-        args,
-        kwargs,
-        partitioner,
-        reducer,
-        timeout,
-        compression,
-        sync=False,
-        progress=progress,
-    ).future()
+    call = _start(func, args, kwargs, partitioner, reducer, timeout, compression, progress)
+    return call.future()
 
 
 def remote_sync_call(
@@ -845,18 +834,8 @@ def remote_sync_call(
         [tensor(3.)]
     """
     # Waiting on the partitions directly is cheaper than chaining futures.
-    return _start(
-        func,
-        args,
-        kwargs,
-        partitioner,
-        reducer,
-        timeout,
-        compression,
-        sync=True,
-        progress=progress,
-        api="metadist.remote_sync_call",
-    ).collect()
+    call = _start(func, args, kwargs, partitioner, reducer, timeout, compression, progress, True)
+    return call.collect()
 
 
 def parallelize_async(
@@ -947,6 +926,7 @@ def _parallelizer(
     _check_reducer(reducer)
     _resolve_timeout(timeout)
     transport.resolve_compression(compression)
+    options = (partitioner, reducer, timeout, compression, progress, sync)
 
     def decorator(func: Callable[P, Any]) -> Callable[P, Any]:
         if not callable(func):
@@ -956,17 +936,7 @@ def _parallelizer(
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
             # The wrapper is what pickles by name; workers run _ORIGINAL (see run_partition).
-            call = _start(
-                wrapper,
-                args,
-                kwargs,
-                partitioner,
-                reducer,
-                timeout,
-                compression,
-                sync=sync,
-                progress=progress,
-            )
+            call = _start(wrapper, args, kwargs, *options)
             return call.collect() if sync else call.future()
 
         setattr(wrapper, _ORIGINAL, func)

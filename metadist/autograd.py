@@ -118,6 +118,7 @@ class RemoteGradients:
         # future of the answer.
         self.sent: dict[str, tuple[list[tuple[Part, list[torch.Tensor | None]]], Any]] = {}
         self.probes: list[Callable[[], torch.Tensor | None]] = []  # per output: see _Probe
+        self.retain = False  # keep the workers' graphs whatever the pass (see _second_order)
 
     def send(
         self, grads: tuple[torch.Tensor | None, ...], create_graph: bool, retain: bool
@@ -211,47 +212,23 @@ def _second_order(  # noqa: PLR0917
     diff: tuple[int, ...],
     state: RemoteGradients,
 ) -> list[torch.Tensor | None]:
-    """The answer as the output of a node of its own, differentiable again (create_graph)."""
+    """The answer as the result of a call of its own, differentiable again (create_graph).
+
+    The worker kept the answer's graph; its leaves are the part's arguments followed by the
+    received gradients, so the answer links to both, through the same two nodes as any call.
+    """
     sources = [inputs[p] for p in part.inputs] + [g for g in grads if g is not None]
-    kept = Part(part.worker, number, list(range(len(sources))), len(diff), None)
-    linked = _Kept.apply(
-        kept, state.world_token, state.compression, [found[i] for i in diff], *sources
-    )
+    kept = RemoteGradients(len(sources), state.world_token, state.compression)
+    # The answer's graph on the worker runs through the partition's, which a request for the
+    # first-order results may still need in this pass: keep it for every pass (dropped with
+    # the caller's graph).
+    kept.retain = True
+    kept.parts.append(Part(part.worker, number, list(range(len(sources))), len(diff), None))
+    token = arguments_node(kept, sources)
     result = list(found)
-    for i, t in zip(diff, linked, strict=True):
+    for i, t in zip(diff, results_node(kept, token, [found[i] for i in diff]), strict=True):
         result[i] = t
     return result
-
-
-class _Kept(torch.autograd.Function):
-    """One kept graph as a single node: its backward asks the worker and waits (higher orders)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        part: Part,
-        world_token: object,
-        compression: Any,
-        outputs: list[torch.Tensor],
-        *sources: torch.Tensor,
-    ) -> Any:
-        ctx.part, ctx.world_token, ctx.compression = part, world_token, compression
-        ctx.sources = sources  # inputs: holding them makes no reference cycle
-        ctx.set_materialize_grads(False)
-        _release_when_dropped(ctx, world_token, [part])
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        sources = ctx.sources
-        if all(g is None for g in grads):
-            return (None, None, None, None, *[None] * len(sources))
-        create_graph = torch.is_grad_enabled()
-        state = RemoteGradients(len(sources), ctx.world_token, ctx.compression)
-        state.parts = [ctx.part]
-        # A higher-order graph is kept for every pass (dropped with the caller's graph).
-        state.send(grads, create_graph, retain=True)
-        return (None, None, None, None, *state.collect(tuple(sources), create_graph))
 
 
 class _Arguments(torch.autograd.Function):
@@ -280,7 +257,7 @@ class _Results(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         state: RemoteGradients = ctx.state
-        retain = all(
+        retain = state.retain or all(
             probe() is not None
             for probe, g in zip(state.probes, grads, strict=True)
             if g is not None
@@ -410,18 +387,10 @@ def grad_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, li
 
 
 def receive(context_id: int, value: Any, inputs: list[Any], name: str, sent_grad: bool) -> Any:
-    """Link one remote partition's result into the caller's graph and record it.
+    """Record a partition's result ``value`` received in ``context_id``; return it.
 
-    Args:
-        context_id: The context the call was made in.
-        value: The partition's result as received (a pytree).
-        inputs: Graph nodes of the partition's differentiable arguments (see
-            :func:`grad_inputs`).
-        name: The partition, for error messages (function, index, worker).
-        sent_grad: Whether the partition was sent tensors that require grad.
-
-    Returns:
-        The result to hand to the reducer.
+    ``inputs``: the graph nodes of its differentiable arguments (:func:`grad_inputs`); ``name``:
+    the partition, for errors; ``sent_grad``: whether it was sent tensors that require grad.
     """
     if sent_grad and surely_not_differentiable(value):
         nodes: list[Any] = []
@@ -546,15 +515,8 @@ def check_context(context_id: int, api: str) -> None:
     """Raise ``ValueError`` unless ``context_id`` is a live distributed-autograd context here.
 
     Torch's own error for an unknown id is a bare ``RuntimeError`` raised deep inside the call;
-    metadist checks first, so that the message names the argument and nothing is sent.
-
-    Args:
-        context_id: The id to check.
-        api: The public name the user called, for the message.
-
-    Raises:
-        RuntimeError: RPC is not running.
-        ValueError: ``context_id`` is not an int, or no such context exists in this process.
+    metadist checks first, so that the message names ``api`` and nothing is sent (and raises
+    ``RuntimeError`` when RPC is not running).
     """
     require_rpc(api)
     if isinstance(context_id, bool) or not isinstance(context_id, int):

@@ -75,16 +75,7 @@ _COMPRESSION = {
 
 
 def resolve_compression(compression: str | None) -> torch.dtype | None:
-    """Map a ``compression`` argument to the wire dtype (``None``: no compression).
-
-    Args:
-        compression: ``None``, ``"bf16"`` or ``"fp16"``.
-
-    Returns:
-        ``torch.bfloat16``, ``torch.float16`` or ``None``.
-
-    Raises:
-        ValueError: Any other value.
+    """The wire dtype of a ``compression`` argument (``None``: none); ``ValueError`` otherwise.
 
     Example:
         >>> resolve_compression("bf16")
@@ -420,13 +411,7 @@ def _plan_for(module: nn.Module, where: _ArgPosition) -> tuple[_SendPlan, tuple[
 
 
 def mark_structure_confirmed(world: object, worker: str, fingerprints: tuple[str, ...]) -> None:
-    """Record that ``worker`` has cached the given structures (a call carrying them succeeded).
-
-    Args:
-        world: A token identifying the running world (structures do not outlive a world).
-        worker: The worker's name.
-        fingerprints: Structure fingerprints the call sent along.
-    """
+    """Record that ``worker`` has cached ``fingerprints`` in the running ``world``."""
     if fingerprints:
         _CONFIRMED.setdefault(world, {}).setdefault(worker, set()).update(fingerprints)
 
@@ -607,28 +592,14 @@ def encode(
     memo: CallMemo,
     attached: bool = False,
 ) -> tuple[tuple[Any, ...], dict[str, Any], bool, tuple[str, ...], list[torch.Tensor]]:
-    """Prepare one partition's arguments for the wire (caller side).
+    """Prepare one partition's arguments for ``worker`` (caller side).
 
-    Args:
-        args: Positional arguments of the partition.
-        kwargs: Keyword arguments of the partition.
-        world: Token of the running world (for the structure cache).
-        worker: Name of the destination worker.
-        dtype: Wire dtype for compression, or ``None``.
-        memo: The call's :class:`CallMemo`, shared by its partitions.
-        attached: Whether distributed autograd records the call (a context is open and grad
-            mode is on); otherwise tensors that require grad travel as detached leaves and get
-            ``requires_grad`` back on the worker.
-
-    Returns:
-        ``(args, kwargs, needs_decode, new_structures, sources)``: the arguments to send, whether
-        the worker must :func:`decode` them, the fingerprints of the structures sent along, and
-        (when not ``attached``) the tensors that travel detached but require grad, in the order
-        in which :func:`decode` makes them leaves on the worker.
-
-    Raises:
-        TypeError: A module argument cannot be pickled, or an object pytree cannot look into
-            holds a tensor that requires grad (it would arrive detached).
+    ``attached``: distributed autograd records the call (a context is open, grad mode is on);
+    otherwise tensors that require grad travel detached. Returns ``(args, kwargs, needs_decode,
+    new_structures, sources)``: the arguments to send, whether the worker must :func:`decode`
+    them, the structures sent along, and (not ``attached``) the tensors that travel detached
+    but require grad, in the order :func:`decode` makes them leaves. Raises ``TypeError`` for
+    a module that cannot be pickled, or a tensor that requires grad hidden in an object.
 
     Example:
         >>> import torch
@@ -680,15 +651,7 @@ def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise the error :func:`encode` would raise, for a partition that runs in-process.
 
     A partition the caller runs itself is never encoded, but the same program on more workers
-    would send it: failing here too keeps ``python script.py`` and ``torchrun`` alike. Module
-    structures are checked once and cached, as for sending.
-
-    Args:
-        args: Positional arguments of the partition.
-        kwargs: Keyword arguments of the partition.
-
-    Raises:
-        TypeError: As :func:`encode`.
+    would send it: failing here too keeps ``python script.py`` and ``torchrun`` alike.
     """
     if not _needs_encoding(args, None, True) and not _needs_encoding(kwargs, None, True):
         return
@@ -800,19 +763,9 @@ def decode(
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
     """Rebuild modules and decompress tensors of arguments made by :func:`encode` (worker side).
 
-    Args:
-        args: Positional arguments as received.
-        kwargs: Keyword arguments as received.
-        leaves: The call travelled detached (no distributed autograd context): module
-            parameters become ``nn.Parameter`` leaves, and the leaves that require grad are
-            returned in the order of :func:`encode`'s ``sources``.
-
-    Returns:
-        ``(args, kwargs, leaves)``: the arguments the remote function is called with, and the
-        leaves that require grad (empty unless ``leaves``).
-
-    Raises:
-        RuntimeError: A module structure is neither sent along nor cached.
+    With ``leaves`` (the call travelled detached), module parameters become ``nn.Parameter``
+    leaves; returns ``(args, kwargs, leaves)`` with the leaves that require grad in the order of
+    :func:`encode`'s ``sources``. Raises ``RuntimeError`` for a structure neither sent nor cached.
 
     Example:
         >>> decode((1,), {"a": 2})
@@ -837,13 +790,6 @@ def decode(
 def compress_tree(tree: Any, dtype: torch.dtype) -> Any:
     """Cast floating-point tensor leaves of ``tree`` to ``dtype`` for the wire (differentiably).
 
-    Args:
-        tree: A pytree (a remote function's result).
-        dtype: The wire dtype.
-
-    Returns:
-        The tree with those leaves wrapped for :func:`decompress_tree`.
-
     Example:
         >>> import torch
         >>> decompress_tree(compress_tree([torch.ones(2)], torch.bfloat16))[0].dtype
@@ -855,27 +801,13 @@ def compress_tree(tree: Any, dtype: torch.dtype) -> Any:
 
 
 def decompress_tree(tree: Any) -> Any:
-    """Undo :func:`compress_tree`.
-
-    Args:
-        tree: A pytree as received.
-
-    Returns:
-        The tree with tensors in their original dtypes.
-    """
+    """Undo :func:`compress_tree`."""
     leaves, spec = tree_flatten(tree)
     return tree_unflatten([_unwire(leaf) for leaf in leaves], spec)
 
 
 def wire_bytes(tree: Any) -> int:
-    """Bytes of the tensor data in ``tree`` as it travels (what dominates a message).
-
-    Args:
-        tree: Encoded arguments or a result as received (a pytree).
-
-    Returns:
-        The total of ``numel * element_size`` over its tensors, module tensors included.
-    """
+    """Bytes of the tensor data in ``tree`` (encoded) as it travels, module tensors included."""
     leaves, _ = tree_flatten(tree)
     total = 0
     for leaf in leaves:
