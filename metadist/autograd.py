@@ -226,7 +226,8 @@ def _second_order(  # noqa: PLR0917
     kept.parts.append(Part(part.worker, number, list(range(len(sources))), len(diff), None))
     token = arguments_node(kept, sources)
     result = list(found)
-    for i, t in zip(diff, results_node(kept, token, [found[i] for i in diff]), strict=True):
+    outputs = [t for i, t in enumerate(found) if i in diff and t is not None]
+    for i, t in zip(diff, results_node(kept, token, outputs), strict=True):
         result[i] = t
     return result
 
