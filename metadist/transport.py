@@ -332,31 +332,27 @@ class _SendPlan:
         for m, (p_names, p_objs, b_names, b_none, c_names, c_objs) in zip(
             modules, self.checks, strict=True
         ):
-            slots: dict[str, Any] = m._parameters
-            if (slots or p_names) and (
-                len(slots) != len(p_names)
-                or not all(map(is_, slots.values(), p_objs))
-                or tuple(slots) != p_names
+            buffers = m._buffers
+            if not (
+                _same(m._parameters, p_names, p_objs)
+                and _same(m._modules, c_names, c_objs)
+                and tuple(buffers) == b_names
+                and tuple(map(is_, buffers.values(), repeat(None))) == b_none
             ):
                 return False
-            slots = m._buffers
-            if (slots or b_names) and (
-                len(slots) != len(b_names)
-                or tuple(map(is_, slots.values(), repeat(None))) != b_none
-                or tuple(slots) != b_names
-            ):
-                return False
-            slots = m._modules
-            if (slots or c_names) and (
-                len(slots) != len(c_names)
-                or not all(map(is_, slots.values(), c_objs))
-                or tuple(slots) != c_names
-            ):
-                return False
-        for k, name, k0, name0 in self.buffer_ties:
-            if modules[k]._buffers.get(name) is not modules[k0]._buffers.get(name0):
-                return False
-        return True
+        return all(
+            modules[k]._buffers.get(name) is modules[k0]._buffers.get(name0)
+            for k, name, k0, name0 in self.buffer_ties
+        )
+
+
+def _same(slots: dict[str, Any], names: tuple[str, ...], objects: tuple[Any, ...]) -> bool:
+    """The same names in the same order, holding the same objects."""
+    return (
+        len(slots) == len(names)
+        and all(map(is_, slots.values(), objects))
+        and tuple(slots) == names
+    )
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _SendPlan] = weakref.WeakKeyDictionary()
