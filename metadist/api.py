@@ -744,7 +744,8 @@ def remote_async_call(
 
     The partitioner splits ``args``/``kwargs`` into ``(worker, args, kwargs)`` partitions, each
     partition runs ``func(*args, **kwargs)`` on its worker, and ``reducer`` combines the results
-    in partition order. ``nn.Module`` and ``nn.Parameter`` arguments stay differentiable inside
+    in partition order. The result is differentiable as a local call's would be: ``backward()``
+    reaches the tensors and ``nn.Module`` parameters among the arguments, with or without
     :func:`metadist.autograd.context`; a module's structure is sent to each worker once.
 
     Args:
