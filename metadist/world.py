@@ -381,15 +381,14 @@ def _known_workers(world_size: int) -> str:
 # Every member sends (key, member, value) to the coordinator; the coordinator's handler returns a
 # future that completes once all expected members arrived, so no RPC thread blocks while waiting.
 
-_PENDING: dict[tuple[Any, ...], tuple[int, dict[Any, Any], Future[dict[Any, Any]]]] = {}
+_PENDING: dict[tuple[Any, ...], tuple[dict[Any, Any], Future[dict[Any, Any]]]] = {}
 _PENDING_LOCK = threading.Lock()
 
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]
 def _arrive(key: tuple[Any, ...], expected: int, member: Any, value: Any) -> Future[dict[Any, Any]]:
     with _PENDING_LOCK:
-        entry = _PENDING.setdefault(key, (expected, {}, Future()))
-        _, arrived, future = entry
+        arrived, future = _PENDING.setdefault(key, ({}, Future()))
         arrived[member] = value
         complete = len(arrived) >= expected
         if complete:
@@ -422,7 +421,7 @@ def arrived_members(key: tuple[Any, ...]) -> frozenset[Any]:
     it completed, or if it never started here)."""
     with _PENDING_LOCK:
         entry = _PENDING.get(key)
-        return frozenset(entry[1]) if entry is not None else frozenset()
+        return frozenset(entry[0]) if entry is not None else frozenset()
 
 
 def barrier(
