@@ -114,7 +114,6 @@ def auto_init_rpc(
 
         @functools.wraps(func)
         def entry(*args: P.args, **kwargs: P.kwargs) -> R:
-            # Inside a world (a nested call, or the program's own rpc.init_rpc): just run.
             if world.in_rpc_world():
                 return func(*args, **kwargs)
             return _run_in_world(
