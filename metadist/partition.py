@@ -231,6 +231,10 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         if not worker_ids:
             raise ValueError("dim_partitioner: there must be at least one worker")
         args = tuple(args)
+
+        def name(i: int) -> str:  # of leaf i, for messages only: key paths cost a flattening
+            return argument_path(tree_flatten_with_path((args, dict(kwargs)))[0][i][0])
+
         # Ask torch's pytree which values are containers, so the fast path agrees with
         # tree_flatten: a test on registered types misses namedtuples (pytree matches them
         # structurally) and would copy them whole to every worker.
@@ -239,18 +243,12 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
             keys, n_args = list(kwargs), len(args)
             leaves = [*args, *kwargs.values()]
 
-            def name(i: int) -> str:
-                return f"args[{i}]" if i < n_args else f"kwargs[{keys[i - n_args]!r}]"
-
             def rebuild(row: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
                 return tuple(row[:n_args]), dict(zip(keys, row[n_args:], strict=True))
 
         else:
             pairs, spec = tree_flatten_with_path((args, dict(kwargs)))
             leaves = [leaf for _, leaf in pairs]
-
-            def name(i: int) -> str:
-                return argument_path(pairs[i][0])
 
             def rebuild(row: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
                 return tree_unflatten(row, spec)
