@@ -187,8 +187,7 @@ def _adopted_runtime() -> _Runtime | None:
 
 
 def _current_runtime() -> _Runtime | None:
-    runtime = _RUNTIME
-    return runtime if runtime is not None else _adopted_runtime()
+    return _RUNTIME or _adopted_runtime()
 
 
 def _runtime(api_name: str) -> _Runtime:
@@ -443,7 +442,6 @@ def barrier(
         TypeError: ``worker_names`` is a single name or rank, or ``timeout`` is not a number.
         ValueError: Unknown workers, an empty list, this worker is not in the list, or a
             negative ``timeout``.
-
     """
     runtime = _runtime("metadist.barrier")
     group = runtime.names
