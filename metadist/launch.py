@@ -114,7 +114,6 @@ def auto_init_rpc(
 
         @functools.wraps(func)
         def entry(*args: P.args, **kwargs: P.kwargs) -> R:
-            # Inside a world (a nested call, or the program's own rpc.init_rpc): just run.
             if world.in_rpc_world():
                 return func(*args, **kwargs)
             return _run_in_world(
@@ -311,12 +310,6 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-def _port(name: str, raw: str) -> int:
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise ValueError(f"environment variable {name}={raw!r} must be a TCP port in [1, 65535]")
-    return int(raw)
-
-
 def master_address(launcher: str) -> tuple[str, int]:
     """Where rank 0 of a ``launcher``'s job listens for the rendezvous: ``(host, port)``.
 
@@ -326,29 +319,24 @@ def master_address(launcher: str) -> tuple[str, int]:
     task 0, and the port ``SLURM_PORT_BASE + SLURM_JOB_ID % 15000``. ``ValueError`` names a
     needed variable that is missing or malformed.
     """
-    addr = os.environ.get("MASTER_ADDR")
-    port = os.environ.get("MASTER_PORT")
-    if launcher == "srun":
-        if not addr:
-            nodes_var = next(
-                (v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if os.environ.get(v)),
-                None,
+    addr = os.environ.get("MASTER_ADDR", "")
+    port = os.environ.get("MASTER_PORT", "")
+    if launcher == "srun" and not addr:
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            raise ValueError(
+                "srun set neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST; set MASTER_ADDR "
+                "to the host of task 0"
             )
-            if nodes_var is None:
-                raise ValueError(
-                    "srun set neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST; set MASTER_ADDR "
-                    "to the host of task 0"
-                )
-            addr = expand_hostlist(os.environ[nodes_var])[0]
-        if not port:
-            job = os.environ.get("SLURM_JOB_ID", "")
-            if not job.isdigit():
-                raise ValueError(
-                    f"environment variable SLURM_JOB_ID={job!r} is not a job number, so the "
-                    f"rendezvous port cannot be derived from it; set MASTER_PORT"
-                )
-            return addr, SLURM_PORT_BASE + int(job) % _SLURM_PORT_SPAN
-        return addr, _port("MASTER_PORT", port)
+        addr = expand_hostlist(nodes)[0]
+    if launcher == "srun" and not port:
+        job = os.environ.get("SLURM_JOB_ID", "")
+        if not job.isdigit():
+            raise ValueError(
+                f"environment variable SLURM_JOB_ID={job!r} is not a job number, so the "
+                f"rendezvous port cannot be derived from it; set MASTER_PORT"
+            )
+        return addr, SLURM_PORT_BASE + int(job) % _SLURM_PORT_SPAN
     missing = [name for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not value]
     if missing:
         how = (
@@ -362,7 +350,11 @@ def master_address(launcher: str) -> tuple[str, int]:
             f"{'are' if len(missing) > 1 else 'is'} not set, but {launcher} launched this "
             f"process: set MASTER_ADDR and MASTER_PORT {how}"
         )
-    return str(addr), _port("MASTER_PORT", str(port))
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"environment variable MASTER_PORT={port!r} must be a TCP port in [1, 65535]"
+        )
+    return addr, int(port)
 
 
 def _listener_and_rendezvous(

@@ -161,11 +161,9 @@ def socket_ifname_env(ifname: str) -> Iterator[None]:
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        for name in saved:
+            os.environ.pop(name, None)
+        os.environ.update({name: value for name, value in saved.items() if value is not None})
 
 
 def free_loopback_port() -> int:
@@ -195,13 +193,9 @@ def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, 
     rank, world_size = int(query["rank"]), int(query["world_size"])
     timeout = datetime.timedelta(seconds=float(query.get("timeout", "300")))
     port = int(parsed.port or 0)
-    if rank == 0:
-        listener = socket.create_server(("127.0.0.1", port), backlog=128)  # sets SO_REUSEADDR
-        store = TCPStore(
-            "127.0.0.1", port, world_size, True, timeout, master_listen_fd=listener.detach()
-        )
-    else:
-        store = TCPStore("127.0.0.1", port, world_size, False, timeout)
+    # Rank 0 hands the store its own listening socket (create_server sets SO_REUSEADDR).
+    fd = socket.create_server(("127.0.0.1", port), backlog=128).detach() if rank == 0 else None
+    store = TCPStore("127.0.0.1", port, world_size, rank == 0, timeout, master_listen_fd=fd)
     yield store, rank, world_size
 
 

@@ -8,6 +8,7 @@ list of ``(worker_id, args, kwargs)`` triples, one per partition. The partitione
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "DimPartitioner",
     "Partition",
     "Partitions",
+    "TensorDimensionPartitioner",
     "batch_partitioner",
     "dim_partitioner",
     "split_sizes",
@@ -62,11 +64,8 @@ class Partitions(list[Partition]):
         self.schedule = _check_schedule(schedule, "Partitions")
 
 
-_SCHEDULES = ("static", "dynamic")
-
-
 def _check_schedule(schedule: Any, owner: str) -> str:
-    if schedule not in _SCHEDULES:
+    if schedule not in ("static", "dynamic"):
         raise ValueError(f"{owner}: schedule must be 'static' or 'dynamic', got {schedule!r}")
     return str(schedule)
 
@@ -99,7 +98,8 @@ def split_sizes(n: int, k: int) -> list[int]:
     return [base + 1] * extra + [base] * (m - extra)
 
 
-class DimPartitioner:
+@dataclasses.dataclass(repr=False, unsafe_hash=True, slots=True)
+class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
     """Split every tensor leaf of the arguments along one dimension (see :func:`dim_partitioner`).
 
     Instances are picklable, so a partitioner can be sent to another worker, e.g. for nested
@@ -128,17 +128,15 @@ class DimPartitioner:
         [(0, [0, 1, 2]), (1, [3, 4])]
     """
 
-    __slots__ = ("dim", "exclusive", "keepdim", "schedule", "workers")
+    dim: int = 0
+    _: dataclasses.KW_ONLY
+    exclusive: bool = False
+    keepdim: bool = True
+    workers: Sequence[int | str] | None = None
+    schedule: str = "static"
 
-    def __init__(
-        self,
-        dim: int = 0,
-        *,
-        exclusive: bool = False,
-        keepdim: bool = True,
-        workers: Sequence[int | str] | None = None,
-        schedule: str = "static",
-    ) -> None:
+    def __post_init__(self) -> None:
+        dim, exclusive, keepdim, workers = self.dim, self.exclusive, self.keepdim, self.workers
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"dim_partitioner: dim must be an int, got {dim!r}")
         if not isinstance(exclusive, bool):
@@ -156,7 +154,7 @@ class DimPartitioner:
                     f"dim_partitioner: workers must be a sequence of worker ids or names, got "
                     f"{workers!r}; wrap a single worker in a list"
                 )
-            workers = tuple(workers)
+            self.workers = workers = tuple(workers)
             if not workers:
                 raise ValueError("dim_partitioner: workers must not be empty")
             for worker in workers:
@@ -165,19 +163,12 @@ class DimPartitioner:
                         f"dim_partitioner: workers must hold int ranks or str names, got "
                         f"{worker!r} in {workers!r}"
                     )
-        self.schedule = _check_schedule(schedule, "dim_partitioner")
+        self.schedule = _check_schedule(self.schedule, "dim_partitioner")
         if self.schedule == "dynamic" and not exclusive:
             raise ValueError(
                 "dim_partitioner: schedule='dynamic' hands out one item at a time, which needs "
                 "exclusive=True (one item per partition); got exclusive=False"
             )
-        self.dim = dim
-        self.exclusive = exclusive
-        self.keepdim = keepdim
-        self.workers: tuple[int | str, ...] | None = workers
-
-    def _key(self) -> tuple[Any, ...]:
-        return (self.dim, self.exclusive, self.keepdim, self.workers, self.schedule)
 
     def __repr__(self) -> str:
         return (
@@ -186,12 +177,10 @@ class DimPartitioner:
         )
 
     def __eq__(self, other: object) -> bool:
+        # Equal to any DimPartitioner with the same fields, a TensorDimensionPartitioner too.
         if not isinstance(other, DimPartitioner):
             return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
+        return dataclasses.astuple(self) == dataclasses.astuple(other)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Partitions:
         """Partition ``args``/``kwargs`` over the configured workers (all workers by default).
@@ -242,6 +231,10 @@ class DimPartitioner:
         if not worker_ids:
             raise ValueError("dim_partitioner: there must be at least one worker")
         args = tuple(args)
+
+        def name(i: int) -> str:  # of leaf i, for messages only: key paths cost a flattening
+            return argument_path(tree_flatten_with_path((args, dict(kwargs)))[0][i][0])
+
         # Ask torch's pytree which values are containers, so the fast path agrees with
         # tree_flatten: a test on registered types misses namedtuples (pytree matches them
         # structurally) and would copy them whole to every worker.
@@ -250,18 +243,12 @@ class DimPartitioner:
             keys, n_args = list(kwargs), len(args)
             leaves = [*args, *kwargs.values()]
 
-            def name(i: int) -> str:
-                return f"args[{i}]" if i < n_args else f"kwargs[{keys[i - n_args]!r}]"
-
             def rebuild(row: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
                 return tuple(row[:n_args]), dict(zip(keys, row[n_args:], strict=True))
 
         else:
             pairs, spec = tree_flatten_with_path((args, dict(kwargs)))
             leaves = [leaf for _, leaf in pairs]
-
-            def name(i: int) -> str:
-                return argument_path(pairs[i][0])
 
             def rebuild(row: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
                 return tree_unflatten(row, spec)
@@ -440,6 +427,3 @@ class TensorDimensionPartitioner(DimPartitioner):
         workers: Sequence[int | str] | None = None,
     ) -> None:
         super().__init__(dim, exclusive=exclusive, keepdim=keepdim, workers=workers)
-
-
-__all__ += ["TensorDimensionPartitioner"]

@@ -55,23 +55,11 @@ class PartitionResults(list[Any]):
 
 
 def check_sizes(sizes: Any, count: int, name: str, noun: str = "result") -> tuple[int, ...]:
-    """Validate per-partition batch sizes: ``count`` positive ints (numpy ints are fine).
+    """``sizes`` as a tuple of ``count`` positive ints (numpy ints are fine); the ``TypeError``
+    or ``ValueError`` otherwise calls them ``name`` and says what each counts (``noun``).
 
     Wrong sizes would silently skew a size-weighted mean, so they are refused where they enter:
     here, for both :class:`PartitionResults` and a partitioner's ``Partitions.sizes``.
-
-    Args:
-        sizes: The sizes to check.
-        count: How many partitions (results) there are.
-        name: What the sizes are called, for the message.
-        noun: What each size counts ("result" or "partition"), for the message.
-
-    Returns:
-        The sizes as a tuple of ints.
-
-    Raises:
-        TypeError: ``sizes`` is not a sequence of ints.
-        ValueError: Not one positive size per partition.
     """
     if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
         raise TypeError(f"{name} must be a sequence of ints or None, got {sizes!r}")
@@ -171,9 +159,7 @@ def mean_reducer(results: Sequence[Any]) -> Any:
             return one  # the mean of one partition is its result, exactly (a world of 1)
         stacked = _stacked(values, where, "mean_reducer")
         if stacked is None:
-            if weights is None:
-                return sum(values) / total
-            return sum(w * v for w, v in zip(weights, values, strict=True)) / total
+            return sum(values if weights is None else map(operator.mul, weights, values)) / total
         if not (stacked.is_floating_point() or stacked.is_complex()):
             stacked = stacked.to(torch.get_default_dtype())
         if weights is None:

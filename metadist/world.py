@@ -187,8 +187,7 @@ def _adopted_runtime() -> _Runtime | None:
 
 
 def _current_runtime() -> _Runtime | None:
-    runtime = _RUNTIME
-    return runtime if runtime is not None else _adopted_runtime()
+    return _RUNTIME or _adopted_runtime()
 
 
 def _runtime(api_name: str) -> _Runtime:
@@ -381,15 +380,14 @@ def _known_workers(world_size: int) -> str:
 # Every member sends (key, member, value) to the coordinator; the coordinator's handler returns a
 # future that completes once all expected members arrived, so no RPC thread blocks while waiting.
 
-_PENDING: dict[tuple[Any, ...], tuple[int, dict[Any, Any], Future[dict[Any, Any]]]] = {}
+_PENDING: dict[tuple[Any, ...], tuple[dict[Any, Any], Future[dict[Any, Any]]]] = {}
 _PENDING_LOCK = threading.Lock()
 
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]
 def _arrive(key: tuple[Any, ...], expected: int, member: Any, value: Any) -> Future[dict[Any, Any]]:
     with _PENDING_LOCK:
-        entry = _PENDING.setdefault(key, (expected, {}, Future()))
-        _, arrived, future = entry
+        arrived, future = _PENDING.setdefault(key, ({}, Future()))
         arrived[member] = value
         complete = len(arrived) >= expected
         if complete:
@@ -422,7 +420,7 @@ def arrived_members(key: tuple[Any, ...]) -> frozenset[Any]:
     it completed, or if it never started here)."""
     with _PENDING_LOCK:
         entry = _PENDING.get(key)
-        return frozenset(entry[1]) if entry is not None else frozenset()
+        return frozenset(entry[0]) if entry is not None else frozenset()
 
 
 def barrier(
@@ -444,7 +442,6 @@ def barrier(
         TypeError: ``worker_names`` is a single name or rank, or ``timeout`` is not a number.
         ValueError: Unknown workers, an empty list, this worker is not in the list, or a
             negative ``timeout``.
-
     """
     runtime = _runtime("metadist.barrier")
     group = runtime.names
