@@ -200,7 +200,7 @@ def answers(worker: str, future: Any) -> list[Any]:
         ) from error
     if isinstance(value, RemoteFailure):
         raise value.to_exception(-1, 0, "backward of a remote call")
-    return [(transport.unpack_tensors(transport.decompress_tree(g)), n, d) for g, n, d in value]
+    return [(transport.decompress_tree(g), n, d) for g, n, d in value]
 
 
 def _second_order(  # noqa: PLR0917

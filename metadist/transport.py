@@ -128,36 +128,19 @@ class _GradLeaf(_Wire):
 class _Packed(_Wire):
     """Several parameters of one dtype as one flat tensor, with the shape of each.
 
-    Each tensor of a message costs distributed autograd its own bookkeeping on both sides, in
-    the forward and the backward pass; a module's small parameters travel (and their gradients
-    come back) as one tensor instead.
+    Inside a distributed autograd context each tensor of a message costs its own bookkeeping on
+    both sides, forward and backward: packed, the 25-task step of ``bench_phases.py --form
+    context`` takes 9.1 ms against 10.0 unpacked. Outside contexts it makes no difference
+    measured, and the worker's answers travel unpacked.
     """
 
     flat: torch.Tensor | _Compressed
-    shapes: tuple[Any, ...]  # torch.Size each; None for an absent tensor (pack_tensors)
+    shapes: tuple[torch.Size, ...]
 
 
 #: Modules whose parameters total at most this many bytes send them packed (see _Packed); the
 #: copy into one buffer costs more than it saves for large models.
 PACK_BYTES = 4 << 20
-
-
-def pack_tensors(tensors: list[torch.Tensor | None]) -> Any:
-    """``tensors`` (``None`` allowed) as one flat tensor where that pays, else as they are.
-
-    Each tensor of a message costs RPC its own bookkeeping on both sides; a module's gradients
-    travel back as one tensor when they are several small dense ones of one dtype.
-
-    Example:
-        >>> import torch
-        >>> unpack_tensors(pack_tensors([torch.ones(2), None, torch.zeros(1, 1)]))
-        [tensor([1., 1.]), None, tensor([[0.]])]
-    """
-    present = [t for t in tensors if t is not None]
-    if not _packable(present):
-        return tensors
-    flat = torch.cat([t.reshape(-1) for t in present])
-    return _Packed(flat, tuple(None if t is None else t.shape for t in tensors))
 
 
 def _packable(tensors: list[torch.Tensor]) -> bool:
@@ -168,16 +151,6 @@ def _packable(tensors: list[torch.Tensor]) -> bool:
         and all(t.layout == torch.strided for t in tensors)
         and sum(t.numel() for t in tensors) * tensors[0].element_size() <= PACK_BYTES
     )
-
-
-def unpack_tensors(packed: Any) -> list[torch.Tensor | None]:
-    """Undo :func:`pack_tensors`."""
-    if not isinstance(packed, _Packed):
-        return list(packed)
-    assert isinstance(packed.flat, torch.Tensor)
-    shapes: tuple[torch.Size | None, ...] = packed.shapes
-    pieces = iter(packed.flat.split([s.numel() for s in shapes if s is not None]))
-    return [None if s is None else next(pieces).view(s) for s in shapes]
 
 
 @dataclasses.dataclass(slots=True)
