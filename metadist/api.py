@@ -643,7 +643,8 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     timeout: float | None,
     compression: str | None,
     progress: bool,
-    sync: bool = False,
+    *,
+    sync: bool,
 ) -> _Call:
     """Check the arguments, partition them, and send (or, in-process, run) every partition.
 
@@ -790,7 +791,9 @@ def remote_async_call(
         >>> main()  # a world of 1: one partition
         [tensor([0., 1., 4., 9.])]
     """
-    call = _start(func, args, kwargs, partitioner, reducer, timeout, compression, progress)
+    call = _start(
+        func, args, kwargs, partitioner, reducer, timeout, compression, progress, sync=False
+    )
     return call.future()
 
 
@@ -835,7 +838,9 @@ def remote_sync_call(
         [tensor(3.)]
     """
     # Waiting on the partitions directly is cheaper than chaining futures.
-    call = _start(func, args, kwargs, partitioner, reducer, timeout, compression, progress, True)
+    call = _start(
+        func, args, kwargs, partitioner, reducer, timeout, compression, progress, sync=True
+    )
     return call.collect()
 
 
@@ -927,7 +932,7 @@ def _parallelizer(
     _check_reducer(reducer)
     _resolve_timeout(timeout)
     transport.resolve_compression(compression)
-    options = (partitioner, reducer, timeout, compression, progress, sync)
+    options = (partitioner, reducer, timeout, compression, progress)
 
     def decorator(func: Callable[P, Any]) -> Callable[P, Any]:
         if not callable(func):
@@ -937,7 +942,7 @@ def _parallelizer(
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
             # The wrapper is what pickles by name; workers run _ORIGINAL (see run_partition).
-            call = _start(wrapper, args, kwargs, *options)
+            call = _start(wrapper, args, kwargs, *options, sync=sync)
             return call.collect() if sync else call.future()
 
         setattr(wrapper, _ORIGINAL, func)

@@ -226,7 +226,7 @@ def _second_order(  # noqa: PLR0917
     kept.parts.append(Part(part.worker, number, list(range(len(sources))), len(diff), None))
     token = arguments_node(kept, sources)
     result = list(found)
-    outputs = [t for i, t in enumerate(found) if i in diff and t is not None]
+    outputs = [t for i in diff if (t := found[i]) is not None]  # none is None: see _vjp_one
     for i, t in zip(diff, results_node(kept, token, outputs), strict=True):
         result[i] = t
     return result
