@@ -20,15 +20,15 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from metadist import autograd, timeline, transport, world
+from metadist import autograd, structure, timeline, transport, world
 from metadist import worker as remote_worker
-from metadist._pytree import tree_flatten, tree_unflatten
+from metadist._pytree import tree_flatten
 from metadist.errors import (
     RemoteError,
     RemoteFailure,
@@ -254,14 +254,6 @@ def _rpc_error(
     )
 
 
-class _Linkable(NamedTuple):
-    """A kept result's leaves until the call links them (see ``_Call._linked``)."""
-
-    flat: list[Any]
-    spec: Any
-    outputs: tuple[int, ...]
-
-
 #: Partitions a synchronous call keeps in flight on each remote worker; the others wait on the
 #: caller until one finishes. Two keep a worker busy while the caller hands it the next one,
 #: and bound how many RPC threads one call can hold on a worker, so that nested calls of any
@@ -269,124 +261,234 @@ class _Linkable(NamedTuple):
 IN_FLIGHT_PER_WORKER = 2
 
 
+class _Telemetry:
+    """The call's partitions in the active timeline (:mod:`metadist.timeline`)."""
+
+    def __init__(self, log: timeline.Timeline, func_name: str) -> None:
+        self.log = log
+        self.func_name = func_name
+        self.number = log.new_call()
+        self.records: dict[int, timeline.PartitionRecord] = {}
+
+    def sent(self, index: int, worker: str, bytes_out: int, future: Future[Any] | None) -> None:
+        record = self.log.add(
+            timeline.PartitionRecord(
+                self.number, self.func_name, index, worker, timeline.now(), bytes_out=bytes_out
+            )
+        )
+        self.records[index] = record
+        if future is None:  # runs in-process, now
+            record.start = record.sent
+        else:
+            future.add_done_callback(lambda _: setattr(record, "done", timeline.now()))
+
+    def ran_here(self, index: int, result: Any) -> None:
+        record = self.records[index]
+        record.end = record.done = timeline.now()
+        if result is not None:
+            record.bytes_in = transport.wire_bytes(result)
+
+    def replied(self, index: int, reply: remote_worker.Reply) -> None:
+        record = self.records[index]
+        record.start, record.end = reply.start, reply.end
+        record.bytes_in = transport.wire_bytes(reply.value)
+
+
+class _Schedule:
+    """Which partition runs where, and when.
+
+    Partitions wait in a queue per worker (a dynamic schedule has one shared queue, keyed "");
+    at most ``bound`` are in flight on each remote worker, and each one that finishes frees a
+    slot: from the RPC thread that saw it finish, so that the worker goes on while the caller
+    computes partitions of its own. The caller's own partitions run on the calling thread.
+    """
+
+    def __init__(self, call: _Call, dynamic: bool, bound: int) -> None:
+        self.call = call
+        self.dynamic = dynamic
+        self.bound = bound
+        self.queues: dict[str, collections.deque[int]] = {}
+        self.in_flight: dict[str, int] = {}
+        self.lock = threading.RLock()  # RPC threads update the queues and in_flight too
+        self.wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def arrived(self, index: int) -> None:
+        """Partition ``index`` finished (on an RPC thread, or here if it failed at once)."""
+        with self.lock:
+            self.in_flight[self.call.workers[index]] -= 1
+            self.fill(self.call.workers[index])
+        self.wakeups.put(None)
+
+    def _next_for(self, worker: str) -> int | None:
+        pending = self.queues.get("" if self.dynamic else worker)
+        return pending.popleft() if pending else None
+
+    def fill(self, worker: str) -> None:
+        """Send ``worker`` its next partitions, up to ``bound`` in flight."""
+        with self.lock:
+            while self.in_flight.get(worker, 0) < self.bound:
+                index = self._next_for(worker)
+                if index is None:
+                    return
+                self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
+                self.call.send(index, worker)
+
+    def drive(self, parts: list[str]) -> None:
+        """Send and run every partition; return when none is left to start or in flight."""
+        own = self.call.own
+        if self.dynamic:
+            self.queues[""] = collections.deque(range(len(parts)))
+        else:
+            for i, name in enumerate(parts):
+                self.queues.setdefault(name, collections.deque()).append(i)
+        remote = [w for w in dict.fromkeys(parts) if w != own]
+        for worker in remote:
+            self.fill(worker)
+        while True:
+            if own in parts:
+                with self.lock:
+                    index = self._next_for(own)
+                if index is not None:
+                    self.call.run_here(index)
+                    continue
+            with self.lock:
+                if not any(self.in_flight.values()):
+                    return
+            self._wait()
+
+    def _wait(self) -> None:
+        """Block until a partition in flight finishes; never forever unless asked to."""
+        timeout = self.call.timeout
+        if timeout == 0:  # timeout=None: the user asked to wait as long as it takes
+            self.wakeups.get()
+            return
+        limit = rpc.get_rpc_timeout() if timeout < 0 else timeout  # type: ignore[attr-defined]
+        try:
+            # torch reports a timed-out partition itself; the margin covers its timer.
+            self.wakeups.get(timeout=limit + 5.0)
+        except queue.Empty:
+            busy = sorted(w for w, n in self.in_flight.items() if n)
+            raise TimeoutError(
+                f"{self.call.func_name}(): partitions on {', '.join(map(repr, busy))} did not "
+                f"finish within the timeout of {limit} s and RPC did not report them: every RPC "
+                f"thread of those workers is probably blocked in a nested synchronous call. "
+                f"Raise the thread pool (rpc_backend_options.num_worker_threads, 16 by "
+                f"default), or make fewer nested calls at a time"
+            ) from None
+
+
 class _Call:
     """The partitions of one remote call, and how to turn them into its result.
 
     Partitions whose worker is the caller itself run in-process, on the calling thread
-    (``local`` holds their outcomes); the others are RPC futures. An asynchronous call sends
-    every remote partition at once; a synchronous one sends at most
-    :data:`IN_FLIGHT_PER_WORKER` per worker (one for a dynamic schedule outside a context) and
-    the next as each one finishes (for a dynamic schedule, to whichever worker finished): from
-    the RPC thread that saw it finish, or, inside a distributed autograd context, from the
-    calling thread, which alone holds the context.
+    (``local`` holds their outcomes); the others are RPC futures. Calls travel detached and
+    their gradients through :class:`metadist.autograd.Link`; inside a distributed autograd
+    context, a call with an RRef among its arguments travels attached instead, sent whole from
+    the calling thread, which alone holds the context.
     """
 
-    def __init__(self, func_name: str, workers: list[str]) -> None:
-        count = len(workers)
+    def __init__(  # noqa: PLR0917 - internal
+        self,
+        func: Any,
+        func_name: str,
+        parts: list[tuple[str, tuple[Any, ...], dict[str, Any]]],
+        own: str,
+        reducer: Reducer | None,
+        sizes: tuple[int, ...] | None,
+        compression: torch.dtype | None,
+        timeout: float,
+    ) -> None:
+        self.func = func
         self.func_name = func_name
-        self.workers = workers
+        self.parts = parts
+        self.own = own
+        self.reducer = reducer
+        self.sizes = sizes
+        self.compression = compression
+        self.timeout = timeout
+        count = len(parts)
+        self.workers = [name for name, _, _ in parts]  # where each ran (dynamic: decided late)
         self.futures: list[Future[Any] | None] = [None] * count
-        self.local: dict[int, Any] = {}
+        self.local: dict[int, tuple[bool, Any]] = {}
+        self.requests: dict[int, remote_worker.Request] = {}
         self.new_structures: list[tuple[str, ...]] = [()] * count
-        self.differentiable = [False] * count
-        self.input_nodes: list[list[Any]] = [[] for _ in range(count)]
-        self.sizes: tuple[int, ...] | None = None
-        self.reducer: Callable[[Any], Any] | None = None
-        self.compression: torch.dtype | None = None
-        self.timeout = 0.0
+        self.state = remote_worker.CallerState.here()
+        self.in_context = autograd.torch_context_id() is not None
         self.world_token: object = None
-        self.grad_mode = remote_worker.grad_mode()
-        # Inside a distributed autograd context the call travels attached to it, and torch's
-        # engine differentiates it (RRefs fetched inside partitions need that); a partition's
-        # own nested calls are never attached, since the worker differentiates its partition.
-        self.context_id = autograd.current_context()
-        if self.context_id is None and not remote_worker.serving():
-            self.context_id = autograd.torch_context_id()
-        # Outside a context: the link to the workers' kept graphs (see metadist.autograd) and,
-        # per remote partition, where its arguments that require grad sit in the link's list.
-        self.gradients: autograd.RemoteGradients | None = None
-        self.token: torch.Tensor | None = None
-        self.positions: dict[int, list[int]] = {}
-        self.sources: list[torch.Tensor] = []
-        self.func: Any = None
-        self.own = ""
-        self.parts: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        self.encoded: dict[int, tuple[Any, ...]] = {}
-        self.dynamic = False
-        self.bound = IN_FLIGHT_PER_WORKER
-        # Partitions waiting to be sent, per worker (a dynamic schedule has one shared queue,
-        # keyed ""); the caller's own partitions wait under its own name.
-        self.queues: dict[str, collections.deque[int]] = {}
-        self.in_flight: dict[str, int] = {}
-        # Guards the queues and in_flight, which RPC threads update too (see _arrived).
-        self.lock = threading.RLock()
-        self.arrivals: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.link: autograd.Link | None = None
         self.bar: Any = None
-        self.timeline = timeline.active()
-        self.call_number = self.timeline.new_call() if self.timeline is not None else -1
-        self.records: dict[int, timeline.PartitionRecord] = {}
+        self.schedule: _Schedule | None = None
+        self.lost: list[tuple[str, int]] = []  # partitions whose RPC failed: (worker, index)
+        log = timeline.active()
+        self.telemetry = _Telemetry(log, func_name) if log is not None else None
 
-    def _record(self, index: int, worker: str, bytes_out: int = 0) -> None:
-        assert self.timeline is not None
-        self.records[index] = self.timeline.add(
-            timeline.PartitionRecord(
-                self.call_number, self.func_name, index, worker, timeline.now(), bytes_out=bytes_out
+    def encode(self, remote: list[int], dynamic: bool) -> None:
+        """Encode every partition that may travel before sending anything (bad input fails
+        with no RPC sent); note their arguments that require grad in the call's link."""
+        self.world_token = world.world_token()
+        # Only a call that hands RRefs to a partition inside a context needs torch's engine.
+        attached = self.in_context and any(_holds_rref(self.parts[i][1:]) for i in remote)
+        link = autograd.Link(self.world_token, self.compression, get_worker_id(self.own) << 40)
+        memo = transport.CallMemo()
+        for i in remote:
+            name, p_args, p_kwargs = self.parts[i]
+            e_args, e_kwargs, decode, self.new_structures[i], sources = transport.encode(
+                p_args,
+                p_kwargs,
+                world=self.world_token,
+                worker="" if dynamic else name,  # unknown yet: structures travel along
+                dtype=self.compression,
+                memo=memo,
+                attached=attached,
             )
-        )
+            self.requests[i] = remote_worker.Request(
+                self.func,
+                e_args,
+                e_kwargs,
+                decode,
+                self.compression,
+                self.state,
+                -1 if attached else link.add(i, sources),
+                self.in_context,
+                self.telemetry is not None,
+                (),
+            )
+        if link.sources:
+            self.link = link
 
     def send(self, index: int, worker: str) -> None:
         """Send partition ``index`` to ``worker`` (encoded already)."""
         self.workers[index] = worker
-        e_args, e_kwargs, needs_decode, self.new_structures[index], _ = self.encoded.pop(index)
-        timed = self.timeline is not None
-        if timed:
-            self._record(index, worker, transport.wire_bytes((e_args, e_kwargs)))
+        request = self.requests.pop(index)._replace(
+            release=autograd.released(self.world_token, worker)
+        )
         try:
             future = rpc.rpc_async(
-                worker,
-                remote_worker.run_partition,
-                args=(
-                    self.func,
-                    e_args,
-                    e_kwargs,
-                    needs_decode,
-                    self.compression,
-                    self.grad_mode,
-                    timed,
-                    self.context_id is not None and self.grad_mode == remote_worker.GRAD,
-                    autograd.released(self.world_token, worker),
-                ),
-                timeout=self.timeout,
+                worker, remote_worker.run_partition, args=(request,), timeout=self.timeout
             )
         except Exception as error:
             future = Future()
             future.set_exception(error)
         self.futures[index] = future
-        self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
-        if timed:
-            record = self.records[index]
-            future.add_done_callback(lambda _: setattr(record, "done", timeline.now()))
+        if self.telemetry is not None:
+            self.telemetry.sent(index, worker, transport.wire_bytes(request[1:3]), future)
         if self.bar is not None:
             future.add_done_callback(lambda _: self.bar.update())
-        future.add_done_callback(lambda _, index=index: self._arrived(index))
-
-    def _arrived(self, index: int) -> None:
-        """A partition's future completed (on an RPC thread, or here if it failed at once)."""
-        if self.context_id is None:
-            # Sends carry no distributed autograd context: hand the freed slot out from here,
-            # so that the worker goes on while the caller computes partitions of its own.
-            self._free(index)
-            index = -1  # only wakes the caller
-        self.arrivals.put(index)
+        if self.schedule is not None:
+            schedule = self.schedule
+            future.add_done_callback(lambda _, index=index: schedule.arrived(index))
 
     def run_here(self, index: int) -> None:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
-        self._link()
+        if self.link is not None and self.state.grad == remote_worker.GRAD:
+            # After the first sends (the workers need not wait for it), before the caller's
+            # own partitions: see metadist.autograd.
+            self.link.start()
         self.workers[index] = self.own
         _, args, kwargs = self.parts[index]
-        if self.timeline is not None:
-            self._record(index, self.own)
-            self.records[index].start = self.records[index].sent
+        if self.telemetry is not None:
+            self.telemetry.sent(index, self.own, 0, None)
+        result = None
         try:
             result = getattr(self.func, _ORIGINAL, self.func)(*args, **kwargs)
             remote_worker.check_result(result)
@@ -399,82 +501,8 @@ class _Call:
             self.local[index] = (True, result)
         if self.bar is not None:
             self.bar.update()
-        if self.timeline is not None:
-            record = self.records[index]
-            record.end = record.done = timeline.now()
-            if self.local[index][0]:
-                record.bytes_in = transport.wire_bytes(result)
-
-    def _next_for(self, worker: str) -> int | None:
-        pending = self.queues.get("" if self.dynamic else worker)
-        return pending.popleft() if pending else None
-
-    def _free(self, index: int) -> None:
-        """Partition ``index`` finished: send its worker the next one."""
-        with self.lock:
-            worker = self.workers[index]
-            self.in_flight[worker] -= 1
-            self.fill(worker)
-
-    def fill(self, worker: str, extra: int = 0) -> None:
-        """Send ``worker`` its next partitions, up to ``self.bound + extra`` in flight."""
-        with self.lock:
-            while self.in_flight.get(worker, 0) < self.bound + extra:
-                index = self._next_for(worker)
-                if index is None:
-                    return
-                self.send(index, worker)
-
-    def drive(self, remote_workers: list[str], runs_here: bool) -> None:
-        """Send and run every partition; return when none is left to start or in flight."""
-        for worker in remote_workers:
-            self.fill(worker)
-        while True:
-            while True:  # hand out the slots that finished partitions freed
-                try:
-                    done = self.arrivals.get_nowait()
-                except queue.Empty:
-                    break
-                if done >= 0:
-                    self._free(done)
-            if runs_here:
-                with self.lock:
-                    index = self._next_for(self.own)
-                if index is not None:
-                    if (
-                        self.context_id is not None
-                        and self.dynamic
-                        and len(self.queues[""]) > len(remote_workers)
-                    ):
-                        # Nothing is handed out while this thread computes: give each worker
-                        # one more to go on with meanwhile, unless the end is near (the last
-                        # partitions go to whoever frees up first).
-                        for worker in remote_workers:
-                            self.fill(worker, extra=1)
-                    self.run_here(index)
-                    continue
-            with self.lock:
-                if not any(self.in_flight.values()):
-                    return
-            self.arrivals.put(self._wait_for_arrival())
-
-    def _wait_for_arrival(self) -> int:
-        """Block until a partition in flight finishes; never forever unless asked to."""
-        if self.timeout == 0:  # timeout=None: the user asked to wait as long as it takes
-            return self.arrivals.get()
-        limit = rpc.get_rpc_timeout() if self.timeout < 0 else self.timeout  # type: ignore[attr-defined]
-        try:
-            # torch reports a timed-out partition itself; the margin covers its timer.
-            return self.arrivals.get(timeout=limit + 5.0)
-        except queue.Empty:
-            busy = sorted(w for w, n in self.in_flight.items() if n)
-            raise TimeoutError(
-                f"{self.func_name}(): partitions on {', '.join(map(repr, busy))} did not finish "
-                f"within the timeout of {limit} s and RPC did not report them: every RPC thread "
-                f"of those workers is probably blocked in a nested synchronous call. Raise the "
-                f"thread pool (rpc_backend_options.num_worker_threads, 16 by default), or make "
-                f"fewer nested calls at a time"
-            ) from None
+        if self.telemetry is not None:
+            self.telemetry.ran_here(index, result)
 
     def _outcome(self, index: int) -> tuple[bool, Any]:
         """``(True, value)`` of one partition, or ``(False, exception to raise)``."""
@@ -484,114 +512,34 @@ class _Call:
         assert future is not None
         worker = self.workers[index]
         try:
-            value = future.wait()
+            reply = future.wait()
         except Exception as error:
+            self.lost.append((worker, index))  # it may still finish, and keep its graph
             return False, _rpc_error(error, index, len(self.workers), worker, self.timeout)
-        if isinstance(value, remote_worker.Timed):
-            record = self.records[index]
-            record.start, record.end, value = value.start, value.end, value.value
-            kept = value.value if isinstance(value, remote_worker.Graph) else value
-            record.bytes_in = transport.wire_bytes(kept)
-        failed = isinstance(value, RemoteFailure)
-        if not failed or value.stage != "decode":  # the worker cached the structures it got
-            transport.mark_structure_confirmed(self.world_token, worker, self.new_structures[index])
+        failed = isinstance(reply, RemoteFailure)
+        if not failed or reply.stage != "decode":  # the worker cached the structures it got
+            structure.mark_structure_confirmed(self.world_token, worker, self.new_structures[index])
         if failed:
-            return False, value.to_exception(index, len(self.workers), self.func_name)
-        graph = None
-        if isinstance(value, remote_worker.Graph):
-            graph, value = value, value.value
-        if self.compression is not None:
-            value = transport.decompress_tree(value)
-        if graph is not None:
-            value = self._kept(index, worker, graph, value)
-        if self.context_id is not None:
-            value = autograd.receive(
-                self.context_id,
-                value,
-                self.input_nodes[index],
-                f"{self.func_name} (partition {index} on {worker!r})",
-                self.differentiable[index],
-            )
-        return True, value
-
-    def link_arguments(self, remote: list[int]) -> None:
-        """Note where the remote partitions' arguments that require grad sit in the link."""
-        inputs: list[torch.Tensor] = []
-        where: dict[int, int] = {}
-        for i in remote:
-            sources = self.encoded[i][4]
-            for t in sources:
-                if id(t) not in where:
-                    where[id(t)] = len(inputs)
-                    inputs.append(t)
-            self.positions[i] = [where[id(t)] for t in sources]
-        self.sources = inputs
-        if inputs:
-            self.gradients = autograd.RemoteGradients(
-                len(inputs), self.world_token, self.compression
-            )
-
-    def _link(self) -> None:
-        """Make the node that will hold the gradients of the remote partitions' arguments.
-
-        After the first sends (the workers need not wait for it), but before the caller runs
-        any partition itself, so that a backward pass reaches it after the caller's own
-        partitions (see :mod:`metadist.autograd`).
-        """
-        if self.gradients is not None and self.token is None:
-            self.token = autograd.arguments_node(self.gradients, self.sources)
-
-    def _kept(self, index: int, worker: str, graph: remote_worker.Graph, value: Any) -> Any:
-        """A result whose graph ``worker`` kept: note its part of the call's link."""
-        if graph.written:
-            with torch.no_grad():
-                for k, g in graph.written:
-                    source = self.sources[self.positions[index][k]]
-                    if source.is_leaf:  # a non-leaf's .grad is not kept locally either
-                        if self.compression is not None:
-                            g = g.to(source.dtype)  # noqa: PLW2901
-                        source.grad = g if source.grad is None else source.grad + g
-        flat, spec = tree_flatten(value)
-        if not graph.outputs:
-            return value
-        if graph.number < 0 or self.gradients is None:
-            # No argument of the caller's under it: its tensors are fresh leaves.
-            for i in graph.outputs:
-                flat[i].requires_grad_(True)
-            return value
-        record = self.records.get(index)
-        self.gradients.parts.append(
-            autograd.Part(worker, graph.number, self.positions[index], len(graph.outputs), record)
-        )
-        return _Linkable(flat, spec, graph.outputs)
-
-    def _linked(self, outcomes: list[tuple[bool, Any]]) -> list[tuple[bool, Any]]:
-        """The outcomes with the kept results' tensors made outputs of the call's link."""
-        linkable = [v for ok, v in outcomes if ok and isinstance(v, _Linkable)]
-        if not linkable:
-            return outcomes
-        self._link()
-        assert self.gradients is not None
-        assert self.token is not None
-        outputs = [item.flat[i] for item in linkable for i in item.outputs]
-        linked = iter(autograd.results_node(self.gradients, self.token, outputs))
-        for item in linkable:
-            for i in item.outputs:
-                item.flat[i] = next(linked)
-        return [
-            (ok, tree_unflatten(v.flat, v.spec) if ok and isinstance(v, _Linkable) else v)
-            for ok, v in outcomes
-        ]
+            return False, reply.to_exception(index, len(self.workers), self.func_name)
+        if self.telemetry is not None:
+            self.telemetry.replied(index, reply)
+        if self.link is not None:
+            record = None if self.telemetry is None else self.telemetry.records[index]
+            return True, self.link.receive(index, worker, reply, record)
+        if reply.outputs:  # no argument of the caller's requires grad: fresh leaves
+            return True, _fresh_leaves(reply)
+        return True, transport.unwire_tree(reply.value) if reply.wired else reply.value
 
     def collect(self) -> Any:
         """Wait for *every* partition (none is left pending), then reduce or raise."""
         world.wait_all([f for f in self.futures if f is not None])
         if self.bar is not None:
             self.bar.close()
-        outcomes = self._linked([self._outcome(i) for i in range(len(self.workers))])
-        values = [value for ok, value in outcomes if ok]
-        errors = [error for ok, error in outcomes if not ok]
+        outcomes = [self._outcome(i) for i in range(len(self.workers))]
+        errors = [value for ok, value in outcomes if not ok]
         if errors:
+            if self.link is not None:
+                self.link.abandon(self.lost)
             first = errors[0]
             if len(errors) > 1:
                 others = ", ".join(
@@ -599,10 +547,15 @@ class _Call:
                     for e in errors[1:]
                 )
                 first.add_note(f"[metadist] {len(errors) - 1} more partition(s) failed: {others}")
+            del outcomes  # the raised error's traceback must not hold the results
             raise first
+        values = [value for _, value in outcomes]
+        if self.link is not None:
+            values = self.link.finish(values)
         if self.reducer is None:
             return values
-        with remote_worker.in_grad_mode(self.grad_mode):
+        with contextlib.ExitStack() as stack:
+            self.state.enter(stack)
             return self.reducer(PartitionResults(values, self.sizes))
 
     def future(self) -> Future[Any]:
@@ -622,6 +575,19 @@ class _Call:
             finish
         )
         return result
+
+
+def _fresh_leaves(reply: remote_worker.Reply) -> Any:
+    value = transport.unwire_tree(reply.value) if reply.wired else reply.value
+    flat, _ = tree_flatten(value)
+    for i in reply.outputs:
+        flat[i].requires_grad_(True)
+    return value
+
+
+def _holds_rref(tree: Any) -> bool:
+    leaves, _ = tree_flatten(tree)
+    return any(isinstance(leaf, rpc.RRef) for leaf in leaves)
 
 
 def _progress_bar(name: str, total: int) -> Any:
@@ -664,69 +630,36 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     _check_reducer(reducer)
     rpc_timeout = _resolve_timeout(timeout)
     dtype = transport.resolve_compression(compression)
-    names = get_worker_names()
-    parts, sizes, schedule = _partitions(partitioner, tuple(args), kwargs, names)
+    parts, sizes, schedule = _partitions(partitioner, tuple(args), kwargs, get_worker_names())
     own = get_worker_name()
-
-    call = _Call(
-        getattr(func, "__qualname__", None) or type(func).__name__, [n for n, _, _ in parts]
-    )
-    call.sizes, call.reducer, call.compression, call.timeout = sizes, reducer, dtype, rpc_timeout
-    call.func, call.own, call.parts = sendable, own, parts
+    name = getattr(func, "__qualname__", None) or type(func).__name__
+    call = _Call(sendable, name, parts, own, reducer, sizes, dtype, rpc_timeout)
     if progress:
-        call.bar = _progress_bar(call.func_name, len(parts))
-    # A dynamic schedule decides the workers as they free up (synchronous calls only: only the
-    # calling thread holds the distributed autograd context the sends must carry).
-    call.dynamic = sync and schedule == "dynamic" and len(parts) > 1
-    if call.dynamic and call.context_id is None:
-        # Slots are handed out from the RPC thread the moment a partition finishes, so a
-        # second one in flight hides no latency: it only commits a task to a worker that may
-        # be busy with a long one (8,1,1,1,8,1,1,1 inner steps: 1.40x faster than static with
-        # one in flight, 1.25x with two; bench_schedule.py --costs).
-        call.bound = 1
-    workers = list(dict.fromkeys(name for name, _, _ in parts))
-    remote = [i for i, (name, _, _) in enumerate(parts) if call.dynamic or name != own]
+        call.bar = _progress_bar(name, len(parts))
+    # A dynamic schedule decides the workers as they free up (synchronous calls only).
+    dynamic = sync and schedule == "dynamic" and len(parts) > 1
+    remote = [i for i, (name, _, _) in enumerate(parts) if dynamic or name != own]
     if remote:
-        call.world_token = world.world_token()
-        # RPC attaches these partitions to the distributed autograd context; their argument
-        # graphs let a backward pass follow results sent on to further calls (see autograd).
-        attached = call.context_id is not None and call.grad_mode == remote_worker.GRAD
-        memo = transport.CallMemo()
-        # Encode every partition that may travel before sending anything, so that bad input
-        # fails with no RPC sent.
-        for i in remote:
-            name, p_args, p_kwargs = parts[i]
-            if attached:
-                call.differentiable[i], call.input_nodes[i] = autograd.grad_inputs(p_args, p_kwargs)
-            call.encoded[i] = transport.encode(
-                p_args,
-                p_kwargs,
-                world=call.world_token,
-                worker="" if call.dynamic else name,  # unknown yet: structures travel along
-                dtype=dtype,
-                memo=memo,
-                attached=attached,
-            )
-        if not attached and call.grad_mode == remote_worker.GRAD:
-            call.link_arguments(remote)
+        call.encode(remote, dynamic)
     for i, (_, p_args, p_kwargs) in enumerate(parts):
-        if i not in call.encoded:  # runs in-process: the same checks as if it were sent
+        if i not in call.requests:  # runs in-process: the same checks as if it were sent
             transport.check_sendable(p_args, p_kwargs)
-    if call.dynamic:
-        call.queues[""] = collections.deque(range(len(parts)))
-        call.drive([w for w in workers if w != own], own in workers)
-    elif sync:
-        for i, (name, _, _) in enumerate(parts):
-            call.queues.setdefault(name, collections.deque()).append(i)
-        call.drive([w for w in workers if w != own], own in workers)
-    else:
-        for i in remote:
-            call.send(i, parts[i][0])
-        # The caller's own partitions run here, on this thread, while the remote ones compute:
-        # no RPC to itself, no encoding, and their graph is part of the caller's own.
-        for i, (name, _, _) in enumerate(parts):
-            if name == own:
-                call.run_here(i)
+    attached = any(r.key < 0 for r in call.requests.values())
+    if sync and not attached:
+        # A dynamic schedule hands slots out from the RPC thread the moment a partition
+        # finishes, so a second one in flight hides no latency: it only commits a task to a
+        # worker that may be busy with a long one (8,1,1,1,8,1,1,1 inner steps: 1.40x faster
+        # than static with one in flight, 1.25x with two; bench_schedule.py --costs).
+        call.schedule = _Schedule(call, dynamic, 1 if dynamic else IN_FLIGHT_PER_WORKER)
+        call.schedule.drive([n for n, _, _ in parts])
+        return call
+    for i in remote:
+        call.send(i, parts[i][0])
+    # The caller's own partitions run here, on this thread, while the remote ones compute:
+    # no RPC to itself, no encoding, and their graph is part of the caller's own.
+    for i, (name, _, _) in enumerate(parts):
+        if name == own:
+            call.run_here(i)
     return call
 
 

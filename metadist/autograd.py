@@ -1,20 +1,20 @@
 """Gradients through remote calls: the caller's half of a call's backward, and contexts.
 
-Outside a distributed autograd context, a remote call is a differentiable function: each
-remote partition's graph stays on its worker (:mod:`metadist.worker`), and on the caller the
-call is two nodes (:func:`arguments_node`, :func:`results_node`) whose backward sends the
-results' gradients in one request per worker and returns the arguments' gradients, so plain
-``loss.backward()``, ``torch.autograd.grad`` (also with ``create_graph``) and ``torch.optim``
-work as in one process.
+A remote call is a differentiable function. Each remote partition's graph stays on its worker
+(:mod:`metadist.worker`); on the caller, the call is two nodes (:class:`Link`) whose backward
+sends the results' gradients in one request per worker and returns the arguments' gradients.
+So plain ``loss.backward()``, ``torch.autograd.grad`` (also with ``create_graph``) and
+``torch.optim`` work as in one process, and so does torch's distributed autograd engine, which
+runs these nodes like any other: inside a distributed autograd context (:func:`context`, or
+``torch.distributed.autograd.context()``), the gradients land in the context's map, as
+:func:`get_gradients` and owners' optimizers expect. Only a call with an RRef among its
+arguments travels attached to the context and is differentiated by torch's engine (torchopt's
+``rref.to_here()`` pattern needs it).
 
-Inside a context (:func:`context`, or ``torch.distributed.autograd.context()``), calls travel
-attached to it and torch's distributed autograd differentiates them, as programs built on RRefs
-and owners' optimizers need. torch never writes ``.grad`` there: it accumulates every gradient
-of a context into the context's map. :func:`backward` and :func:`grad` give the semantics of
-``torch.autograd`` on top (this pass's contribution only; ``grad`` can be called twice), and
-raise where torch would wait forever: each pass must reach every remote result received in
-the context (FAST mode). Later passes in one context get their contribution as
-``map_after - map_before``, exact up to the last bits; open one context per pass.
+torch never writes ``.grad`` inside a context: it accumulates every gradient of a context into
+the context's map. :func:`backward` and :func:`grad` give the semantics of ``torch.autograd`` on
+top (this pass's contribution only; ``grad`` can be called twice): a later pass in one context
+gets its contribution as ``map_after - map_before``, exact up to the last bits.
 
 Example:
     >>> import torch
@@ -31,12 +31,11 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
+import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -49,119 +48,114 @@ from torch.distributed.autograd import get_gradients as _dist_get_gradients  # t
 
 from metadist import timeline, transport
 from metadist import worker as remote_worker
-from metadist._pytree import tree_flatten
+from metadist._pytree import tree_flatten, tree_unflatten
 from metadist.errors import RemoteError, RemoteFailure
 from metadist.world import require_rpc
 
-# current_context, grad_inputs and receive are metadist.api's way in; not part of the user API.
-__all__ = ["backward", "context", "get_gradients", "grad"]
+__all__ = ["backward", "context", "get_gradients", "grad", "is_available"]
 
 # ------------------------------------------------------------------------------------------------
-# A remote call as a differentiable function (outside distributed autograd contexts)
+# A remote call as a differentiable function
 #
-# The worker keeps each partition's graph (metadist.worker); on the caller, the call is three
-# nodes. ``_Arguments`` is made before the caller's own partitions run, so the engine, which
-# runs the newest ready node first, reaches it after their backward: it waits for the answers
-# and returns the arguments' gradients. ``_Results`` is made when the results arrive, so it runs
-# as soon as their gradients are known: it sends them, one request per worker, and hands
-# ``_Arguments`` a zero so that the workers' backward overlaps the caller's own. ``_Probe``, on
-# the results' side of ``_Results``, tells it whether the pass keeps the graph: a custom node
-# cannot see ``retain_graph``, but torch frees a node's saved tensors right after it runs in a
-# pass without it, so the probe's saved marker is gone by the time ``_Results`` runs.
+# On the caller, a call is three kinds of node. ``_Arguments`` is made before the caller's own
+# partitions run, so the engine, which runs the newest ready node first, reaches it after their
+# backward: it waits for the answers and returns the arguments' gradients. ``_Results`` is made
+# when the results arrive, so it runs as soon as their gradients are known: it sends them, one
+# request per worker, and hands ``_Arguments`` the number of its pass, so that concurrent passes
+# through one call each collect their own answers. ``_Probe``, one per result, on the results'
+# side of ``_Results``, tells it whether the pass keeps the graph: a custom node cannot see
+# ``retain_graph``, but torch frees a node's saved tensors right after it runs in a pass without
+# it, so the probe's saved marker is gone by the time ``_Results`` runs.
 
-# Graphs the caller no longer needs, per (world, worker): sent along with the next message to
-# that worker rather than in messages of their own.
+# Keys of graphs the caller no longer needs, per (world, worker): sent along with the next
+# message to that worker rather than in messages of their own.
 _RELEASED: dict[tuple[object, str], list[int]] = {}
 _RELEASED_LOCK = threading.Lock()
+_KEYS = itertools.count(1)
+_PASSES = itertools.count(1)
 
 
 def released(world_token: object, worker: str) -> tuple[int, ...]:
-    """Take the numbers of ``worker``'s graphs that the caller's graph no longer holds."""
+    """Take the keys of ``worker``'s graphs that the caller no longer needs."""
     with _RELEASED_LOCK:
-        numbers = _RELEASED.pop((world_token, worker), None)
-    return tuple(numbers) if numbers else ()
+        keys = _RELEASED.pop((world_token, worker), None)
+    return tuple(keys) if keys else ()
 
 
-def _release(world_token: object, parts: list[Part]) -> None:
+def release(world_token: object, parts: Sequence[tuple[str, int]]) -> None:
+    """Note that the graphs ``(worker, key)`` are no longer needed."""
     with _RELEASED_LOCK:
-        for part in parts:
-            _RELEASED.setdefault((world_token, part.worker), []).append(part.number)
-
-
-def _release_when_dropped(ctx: Any, world_token: object, parts: list[Part]) -> None:
-    """Release the graphs of ``parts`` when the node ``ctx`` is freed with the caller's graph."""
-    ctx.marker = torch.empty(0)
-    weakref.finalize(ctx.marker, _release, world_token, parts)  # ``parts`` may still grow
+        for worker, key in parts:
+            _RELEASED.setdefault((world_token, worker), []).append(key)
 
 
 class Part(NamedTuple):
     """One remote partition's kept graph, as the caller sees it."""
 
     worker: str
-    number: int
+    key: int
     inputs: list[int]  # positions in the call's argument list
     outputs: int  # how many of the results' tensors require grad
     record: Any  # the partition's timeline record, or None
 
 
 class RemoteGradients:
-    """The state one remote call's two nodes share: its arguments, its parts, the answers."""
+    """The state one call's nodes share: its parts, and each pass's requests in flight."""
 
     # No tensors here: the nodes hold this object, and a tensor whose graph holds them would
     # make a reference cycle through torch's C++ nodes that Python's collector cannot see.
-    def __init__(self, inputs: int, world_token: object, compression: Any) -> None:
-        self.inputs = inputs
+    def __init__(self, world_token: object, compression: Any, key_base: int) -> None:
         self.world_token = world_token
         self.compression = compression
+        self.key_base = key_base
         self.parts: list[Part] = []  # also what the release marker releases
-        # Per worker: the parts this pass reached, with their outputs' gradients, and the
-        # future of the answer.
-        self.sent: dict[str, tuple[list[tuple[Part, list[torch.Tensor | None]]], Any]] = {}
-        self.probes: list[Callable[[], torch.Tensor | None]] = []  # per output: see _Probe
+        self.sent: dict[int, dict[str, tuple[list[tuple[Part, list[Any], int]], Any]]] = {}
+        self.probes: list[Any] = []  # per output: see _Probe
         self.retain = False  # keep the workers' graphs whatever the pass (see _second_order)
 
-    def send(
-        self, grads: tuple[torch.Tensor | None, ...], create_graph: bool, retain: bool
-    ) -> None:
-        """Send the results' gradients, one request per worker; don't wait for the answers.
+    def new_key(self) -> int:
+        """A key no other graph on any worker has: this caller's rank, then a counter."""
+        return self.key_base | next(_KEYS)
 
-        Without ``retain``, each worker frees what the pass went through, as a local backward
-        pass would, and forgets the graphs whose every output it reached.
-        """
-        per_worker: dict[str, list[tuple[Part, list[torch.Tensor | None]]]] = {}
+    def send(self, grads: tuple[torch.Tensor | None, ...], create_graph: bool, retain: bool) -> int:
+        """Send the results' gradients, one request per worker; return the pass's number."""
+        per_worker: dict[str, list[tuple[Part, list[Any], int]]] = {}
         offset = 0
         for part in self.parts:
             mine = list(grads[offset : offset + part.outputs])
             offset += part.outputs
             if any(g is not None for g in mine):
-                per_worker.setdefault(part.worker, []).append((part, mine))
-        self.sent = {}
+                answer_key = self.new_key() if create_graph else -1
+                per_worker.setdefault(part.worker, []).append((part, mine, answer_key))
         log = timeline.active()
+        sent = {}
         for worker, items in per_worker.items():
             if log is not None:
                 log.add_request(worker)
-                for part, _ in items:
+                for part, _, _ in items:
                     if part.record is not None:
                         part.record.gradients_sent = timeline.now()
-            future = request(
-                worker,
-                [(p.number, g, not retain and all(t is not None for t in g)) for p, g in items],
-                create_graph or retain,
-                create_graph,
-                self.compression,
-            )
-            self.sent[worker] = (items, future)
+            wired = [
+                (p.key, [None if g is None else transport.wire(g, self.compression) for g in gs], k)
+                for p, gs, k in items
+            ]
+            args = (wired, create_graph or retain, create_graph, self.compression)
+            sent[worker] = (items, rpc.rpc_async(worker, remote_worker.vjp, args=args))
+        number = next(_PASSES)
+        self.sent[number] = sent
+        return number
 
-    def collect(self, inputs: tuple[torch.Tensor, ...], create_graph: bool) -> list[Any]:
-        """Wait for the answers; return the gradient of each argument (``None``: not reached)."""
-        sent, self.sent = self.sent, {}
-        answered = {worker: answers(worker, future) for worker, (_, future) in sent.items()}
-        totals: list[torch.Tensor | None] = [None] * self.inputs
-        for worker, (items, _) in sent.items():
-            for (part, grads), (answer, number, diff) in zip(items, answered[worker], strict=True):
-                found = answer
-                if create_graph and number >= 0:
-                    found = _second_order(part, inputs, grads, answer, number, diff, self)
+    def collect(
+        self, number: int, inputs: tuple[torch.Tensor, ...], create_graph: bool
+    ) -> list[Any]:
+        """Wait for pass ``number``'s answers; return each argument's gradient (or ``None``)."""
+        totals: list[torch.Tensor | None] = [None] * len(inputs)
+        for worker, (items, future) in self.sent.pop(number).items():
+            for (part, grads, answer_key), (found, diff) in zip(
+                items, _answers(worker, future), strict=True
+            ):
+                if diff:
+                    found = _second_order(part, inputs, grads, found, answer_key, diff, self)  # noqa: PLW2901
                 for position, g in zip(part.inputs, found, strict=True):
                     if g is not None:
                         total = totals[position]
@@ -169,26 +163,7 @@ class RemoteGradients:
         return totals
 
 
-def request(
-    worker: str,
-    items: list[tuple[int, list[torch.Tensor | None], bool]],
-    retain: bool,
-    create_graph: bool,
-    compression: Any,
-) -> Any:
-    """Send one gradient request to ``worker``; a future of its answers.
-
-    ``items``: per graph, its number, the outputs' gradients and whether to forget it after.
-    Releases never travel with it: another request of the same backward pass may still be
-    reading a graph that this pass has just freed on the caller.
-    """
-    if compression is not None:
-        items = [(n, transport.compress_tree(g, compression), d) for n, g, d in items]
-    args = (items, retain, create_graph, compression)
-    return rpc.rpc_async(worker, remote_worker.vjp, args=args)
-
-
-def answers(worker: str, future: Any) -> list[Any]:
+def _answers(worker: str, future: Any) -> list[Any]:
     """The answers of a gradient request, or the worker's error raised here."""
     try:
         value = future.wait()
@@ -200,7 +175,7 @@ def answers(worker: str, future: Any) -> list[Any]:
         ) from error
     if isinstance(value, RemoteFailure):
         raise value.to_exception(-1, 0, "backward of a remote call")
-    return [(transport.decompress_tree(g), n, d) for g, n, d in value]
+    return [([transport.unwire(g) for g in found], diff) for found, diff in value]
 
 
 def _second_order(  # noqa: PLR0917
@@ -208,28 +183,44 @@ def _second_order(  # noqa: PLR0917
     inputs: tuple[torch.Tensor, ...],
     grads: list[torch.Tensor | None],
     found: list[torch.Tensor | None],
-    number: int,
+    key: int,
     diff: tuple[int, ...],
     state: RemoteGradients,
 ) -> list[torch.Tensor | None]:
     """The answer as the result of a call of its own, differentiable again (create_graph).
 
-    The worker kept the answer's graph; its leaves are the part's arguments followed by the
-    received gradients, so the answer links to both, through the same two nodes as any call.
+    The worker kept the answer's graph under ``key``; its leaves are the part's arguments
+    followed by the received gradients, so the answer links to both, through the same nodes as
+    any call.
     """
     sources = [inputs[p] for p in part.inputs] + [g for g in grads if g is not None]
-    kept = RemoteGradients(len(sources), state.world_token, state.compression)
+    kept = RemoteGradients(state.world_token, state.compression, state.key_base)
     # The answer's graph on the worker runs through the partition's, which a request for the
     # first-order results may still need in this pass: keep it for every pass (dropped with
     # the caller's graph).
     kept.retain = True
-    kept.parts.append(Part(part.worker, number, list(range(len(sources))), len(diff), None))
-    token = arguments_node(kept, sources)
+    kept.parts.append(Part(part.worker, key, list(range(len(sources))), len(diff), None))
+    token = _Arguments.apply(kept, *sources)
     result = list(found)
     outputs = [t for i in diff if (t := found[i]) is not None]  # none is None: see _vjp_one
-    for i, t in zip(diff, results_node(kept, token, outputs), strict=True):
+    for i, t in zip(diff, _linked(kept, token, outputs), strict=True):
         result[i] = t
     return result
+
+
+def _refuse_batched(grads: Sequence[torch.Tensor | None]) -> None:
+    if any(g is not None and torch._C._functorch.is_functorch_wrapped_tensor(g) for g in grads):
+        raise RuntimeError(
+            "a remote call's result is differentiated inside a torch.func transform (vmap over "
+            "the backward pass: torch.autograd.functional.jacobian(..., vectorize=True), "
+            "torch.autograd.grad(..., is_grads_batched=True), torch.func.jacrev, ...): its "
+            "gradients cannot travel to the workers. Use vectorize=False / is_grads_batched=False "
+            "(one backward pass per row)"
+        )
+
+
+def _release_parts(world_token: object, parts: list[Part]) -> None:
+    release(world_token, [(p.worker, p.key) for p in parts])
 
 
 class _Arguments(torch.autograd.Function):
@@ -237,13 +228,16 @@ class _Arguments(torch.autograd.Function):
     def forward(ctx: Any, state: RemoteGradients, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.state = state
         ctx.inputs = inputs  # for create_graph; inputs make no reference cycle
-        _release_when_dropped(ctx, state.world_token, state.parts)
-        return torch.zeros(())
+        # Freed with the caller's graph, and then releases the workers' graphs (``state.parts``
+        # may still grow).
+        ctx.marker = torch.empty(0)
+        weakref.finalize(ctx.marker, _release_parts, state.world_token, state.parts)
+        return torch.zeros((), dtype=torch.float64)
 
     @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> Any:
+    def backward(ctx: Any, number: torch.Tensor) -> Any:
         state: RemoteGradients = ctx.state
-        return (None, *state.collect(ctx.inputs, torch.is_grad_enabled()))
+        return (None, *state.collect(int(number), ctx.inputs, torch.is_grad_enabled()))
 
 
 class _Results(torch.autograd.Function):
@@ -257,14 +251,19 @@ class _Results(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        _refuse_batched(grads)
         state: RemoteGradients = ctx.state
-        retain = state.retain or all(
-            probe() is not None
+        retain = state.retain or not all(
+            probe is not None and probe() is None
             for probe, g in zip(state.probes, grads, strict=True)
             if g is not None
         )
-        state.send(grads, torch.is_grad_enabled(), retain)
-        return None, None, torch.zeros(())
+        number = state.send(grads, torch.is_grad_enabled(), retain)
+        return None, None, torch.tensor(float(number), dtype=torch.float64)
+
+
+def _identity(t: Any) -> Any:
+    return t
 
 
 class _Probe(torch.autograd.Function):
@@ -277,75 +276,130 @@ class _Probe(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, state: RemoteGradients, output: torch.Tensor) -> torch.Tensor:
         marker = torch.empty(0)
-        state.probes.append(weakref.ref(marker))
-        ctx.save_for_backward(marker)
-        return output
+        # The marker is saved as it is, whatever saved-tensor hooks the user has set (e.g.
+        # save_on_cpu); hooks that drop it at once (non-reentrant checkpointing) leave the
+        # probe unable to tell, and the pass is taken as keeping the graph.
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            ctx.save_for_backward(marker)
+        probe = weakref.ref(marker)
+        del marker
+        state.probes.append(probe if probe() is not None else None)
+        return output.detach()  # not the input itself: in-place ops on it work as on any result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.saved_tensors  # noqa: B018 - raises, as locally, on a second pass through a freed graph
         return None, grad
 
 
-def arguments_node(state: RemoteGradients, inputs: list[torch.Tensor]) -> torch.Tensor:
-    """Start a remote call's gradient link: the node that will hold its arguments' gradients.
-
-    Made before the caller runs its own partitions (see the notes above). Returns the token
-    to hand to :func:`results_node`.
-    """
-    return _Arguments.apply(state, *inputs)
-
-
-def results_node(
+def _linked(
     state: RemoteGradients, token: torch.Tensor, outputs: list[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """Finish the link once every part has arrived: ``outputs`` made differentiable.
-
-    ``outputs`` are the parts' received tensors that require grad, in the order of
-    ``state.parts``.
-    """
     return [_Probe.apply(state, t) for t in _Results.apply(state, outputs, token)]
 
 
+class _Held(NamedTuple):
+    """A result whose tensors wait to be linked (see :meth:`Link.finish`)."""
+
+    flat: list[Any]
+    spec: Any
+    outputs: tuple[int, ...]
+
+
+class Link:
+    """One call's gradient on the caller: its arguments that require grad, and the graphs of
+    its remote partitions' results (what :mod:`metadist.api` hands each remote reply to)."""
+
+    def __init__(self, world_token: object, compression: Any, key_base: int) -> None:
+        self.state = RemoteGradients(world_token, compression, key_base)
+        self.sources: list[torch.Tensor] = []
+        self._where: dict[int, int] = {}
+        self.positions: dict[int, list[int]] = {}
+        self.keys: dict[int, int] = {}
+        self.token: torch.Tensor | None = None
+        self._pending: list[_Held] = []
+
+    def add(self, index: int, sources: list[torch.Tensor]) -> int:
+        """Note partition ``index``'s arguments that require grad; the key for its graph."""
+        positions = []
+        for t in sources:
+            if id(t) not in self._where:
+                self._where[id(t)] = len(self.sources)
+                self.sources.append(t)
+            positions.append(self._where[id(t)])
+        self.positions[index] = positions
+        key = self.keys[index] = self.state.new_key() if sources else 0
+        return key
+
+    def start(self) -> None:
+        """Make the arguments' node (before the caller runs partitions of its own)."""
+        if self.sources and self.token is None:
+            with torch.enable_grad():
+                self.token = _Arguments.apply(self.state, *self.sources)
+
+    def receive(self, index: int, worker: str, reply: remote_worker.Reply, record: Any) -> Any:
+        """A remote partition's reply: its ``.grad`` writes applied, its result returned (its
+        tensors that required grad made fresh leaves, or held until :meth:`finish` links them)."""
+        value = transport.unwire_tree(reply.value) if reply.wired else reply.value
+        positions = self.positions.get(index, [])
+        if reply.written:
+            with torch.no_grad():
+                for k, g in reply.written:
+                    source = self.sources[positions[k]]
+                    if source.is_leaf:  # a non-leaf's .grad is not kept locally either
+                        g = transport.unwire(g).to(source.dtype)  # noqa: PLW2901
+                        source.grad = g if source.grad is None else source.grad + g
+        if not reply.outputs:
+            return value
+        flat, spec = tree_flatten(value)
+        if not reply.kept:  # no argument of the caller's under them: fresh leaves
+            for i in reply.outputs:
+                flat[i].requires_grad_(True)
+            return value
+        self.state.parts.append(
+            Part(worker, self.keys[index], positions, len(reply.outputs), record)
+        )
+        held = _Held(flat, spec, reply.outputs)
+        self._pending.append(held)
+        return held
+
+    def finish(self, values: list[Any]) -> list[Any]:
+        """``values`` with every held result's tensors made outputs of the call's nodes."""
+        if not self._pending:
+            return values
+        self.start()
+        assert self.token is not None
+        outputs = [flat[i] for flat, _, indices in self._pending for i in indices]
+        with torch.enable_grad():
+            linked = iter(_linked(self.state, self.token, outputs))
+        for flat, _, indices in self._pending:
+            for i in indices:
+                flat[i] = next(linked)
+        self._pending = []
+        return [tree_unflatten(v.flat, v.spec) if isinstance(v, _Held) else v for v in values]
+
+    def abandon(self, lost: Sequence[tuple[str, int]]) -> None:
+        """The call failed: release its kept graphs and those of partitions ``(worker,
+        index)`` whose fate is unknown (timed out, failed in RPC)."""
+        parts = list(self.state.parts)
+        self.state.parts.clear()  # the list the release marker holds: released here, once
+        self._pending = []
+        release(
+            self.state.world_token,
+            [(p.worker, p.key) for p in parts]
+            + [(w, self.keys[i]) for w, i in lost if self.keys.get(i)],
+        )
+
+
 # ------------------------------------------------------------------------------------------------
-# What metadist knows about each open context: written by remote calls, read by backward passes
-
-_THREAD = threading.local()
-
-
-@dataclasses.dataclass(slots=True)
-class _ContextRecord:
-    """Autograd nodes of the remote results received in one metadist context.
-
-    Every backward pass in the context must reach all of them, including those received before
-    an earlier pass (torch's distributed autograd, FAST mode, waits for the gradients of every
-    remote call made in the context), so they are kept until the context closes.
-    """
-
-    nodes: list[Any] = dataclasses.field(default_factory=list)
-    # For each result node, the graph nodes of the differentiable arguments of the call that
-    # produced it: the worker ties its results to every such argument, so reaching the result
-    # reaches them too (how a result sent on to a second call gets its gradient).
-    inputs_of: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
-    # Functions of calls that were sent tensors requiring grad but returned nothing
-    # differentiable: the workers' half of their graph can never be reached.
-    dangling: list[str] = dataclasses.field(default_factory=list)
-    # nodes[:passed] were reached by a completed backward pass; nodes[:freed] by one without
-    # retain_graph, which freed their graph (on the workers too).
-    passed: int = 0
-    freed: int = 0
-
-
-_RECORDS: dict[int, _ContextRecord] = {}
-_RECORDS_LOCK = threading.Lock()
+# Distributed autograd contexts
 
 
 def torch_context_id() -> int | None:
     """The id of the distributed autograd context active on this thread, opened by anyone.
 
-    torch offers no public way to ask; ``_current_context`` is the one private name metadist
-    reads, so that calls made inside a context the user opened with
-    ``torch.distributed.autograd.context()`` travel attached to it.
+    torch offers no public way to ask; ``_current_context`` is the private name metadist reads,
+    so that calls made inside a context the user opened with
+    ``torch.distributed.autograd.context()`` behave as in :func:`context`.
     """
     try:
         return int(dist_autograd._current_context()._context_id())  # type: ignore[attr-defined]
@@ -353,101 +407,12 @@ def torch_context_id() -> int | None:
         return None
 
 
-def current_context() -> int | None:
-    """Return the id of the innermost :func:`context` open on this thread, if any."""
-    stack: list[int] | None = getattr(_THREAD, "stack", None)
-    return stack[-1] if stack else None
-
-
-def grad_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, list[Any]]:
-    """Whether RPC would attach these arguments to distributed autograd, and their graph nodes.
-
-    Returns ``(sends_grad, nodes)``: ``sends_grad`` is true when grad mode is on and a tensor (or
-    a module's parameter) among the arguments requires grad; ``nodes`` are the ``grad_fn`` of
-    the non-leaf tensors among them (what a backward pass reaches through this call).
-
-    Example:
-        >>> import torch
-        >>> grad_inputs((torch.ones(1, requires_grad=True),), {})
-        (True, [])
-    """
-    if not torch.is_grad_enabled():
-        return False, []
-    sends = False
-    nodes = []
-    leaves, _ = tree_flatten((args, kwargs))
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if leaf.requires_grad:
-                sends = True
-                if leaf.grad_fn is not None:
-                    nodes.append(leaf.grad_fn)
-        elif isinstance(leaf, torch.nn.Module) and not sends:
-            sends = any(p.requires_grad for p in leaf.parameters())
-    return sends, nodes
-
-
-def receive(context_id: int, value: Any, inputs: list[Any], name: str, sent_grad: bool) -> Any:
-    """Record a partition's result ``value`` received in ``context_id``; return it.
-
-    ``inputs``: the graph nodes of its differentiable arguments (:func:`grad_inputs`); ``name``:
-    the partition, for errors; ``sent_grad``: whether it was sent tensors that require grad.
-    """
-    if sent_grad and surely_not_differentiable(value):
-        nodes: list[Any] = []
-        dangling = [name]
-    else:
-        dangling = []
-        leaves, _ = tree_flatten(value)
-        nodes = [leaf.grad_fn for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.grad_fn]
-    if nodes or dangling:
-        with _RECORDS_LOCK:
-            record = _RECORDS.get(context_id)
-            if record is None:
-                record = _RECORDS[context_id] = _ContextRecord()
-            record.nodes.extend(nodes)
-            record.dangling.extend(dangling)
-            if inputs:
-                for node in nodes:
-                    record.inputs_of[id(node)] = inputs
-    return value
-
-
-_PLAIN = (torch.Tensor, int, float, complex, str, bytes, type(None))
-
-
-def surely_not_differentiable(tree: Any) -> bool:
-    """True only if no leaf of ``tree`` can hide a tensor that requires grad.
-
-    A leaf pytree cannot look into (a dataclass, a custom result class) might hold one, so it
-    makes the answer False: a false alarm would break correct code.
-
-    Example:
-        >>> import torch
-        >>> surely_not_differentiable([torch.ones(1), 2.0])
-        True
-    """
-    leaves, _ = tree_flatten(tree)
-    for leaf in leaves:
-        if not isinstance(leaf, _PLAIN):
-            return False
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            return False
-    return True
-
-
-def _open_contexts() -> int:
-    """How many contexts still hold records (a leak check for tests)."""
-    with _RECORDS_LOCK:
-        return len(_RECORDS)
-
-
 @contextlib.contextmanager
 def context() -> Iterator[int]:
     """Open a distributed autograd context; yields its id.
 
-    Remote calls made inside it are recorded for distributed autograd; pass the id to
-    :func:`backward`, :func:`grad` or :func:`get_gradients`.
+    Pass the id to :func:`backward`, :func:`grad` or :func:`get_gradients`, or to an owner's
+    optimizer (:class:`metadist.optim.DistributedOptimizer`).
 
     Yields:
         The context id.
@@ -466,16 +431,7 @@ def context() -> Iterator[int]:
     """
     require_rpc("metadist.autograd.context")
     with dist_autograd.context() as context_id:
-        stack: list[int] | None = getattr(_THREAD, "stack", None)
-        if stack is None:
-            stack = _THREAD.stack = []
-        stack.append(context_id)
-        try:
-            yield context_id
-        finally:
-            stack.remove(context_id)
-            with _RECORDS_LOCK:
-                _RECORDS.pop(context_id, None)
+        yield context_id
 
 
 def _roots(tensors: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
@@ -532,77 +488,6 @@ def check_context(context_id: int, api: str) -> None:
         ) from None
 
 
-def _check_reachable(context_id: int, roots: list[torch.Tensor]) -> int:
-    """Raise unless this pass can complete; return how many received nodes it reaches."""
-    with _RECORDS_LOCK:
-        record = _RECORDS.get(context_id)
-        if record is None:
-            return 0
-        dangling = list(record.dangling)
-        nodes, passed, freed = list(record.nodes), record.passed, record.freed
-        inputs_of = dict(record.inputs_of)
-    if dangling:
-        raise RuntimeError(
-            f"{len(dangling)} remote call(s) in distributed autograd context {context_id} were "
-            f"sent tensors that require grad but returned nothing that requires grad: "
-            f"{', '.join(dangling)}. torch's distributed autograd would wait forever for "
-            f"their gradients in every backward pass of this context. Make such calls "
-            f"(metrics, evaluation) under torch.no_grad() or outside the context, or return a "
-            f"result computed from the differentiable arguments"
-        )
-    if not nodes:
-        return 0
-    pending = {id(node): i for i, node in enumerate(nodes)}
-    # Holds the visited nodes: their Python wrappers may be created on access, and a freed
-    # one's id could be reused by another node.
-    seen: dict[int, Any] = {}
-    # Breadth first: remote results sit a few nodes below the roots (under the reducer), while
-    # the graph of an in-process partition can hold thousands of nodes; depth first could walk
-    # all of them before finding the results.
-    stack = collections.deque(t.grad_fn for t in roots if t.grad_fn is not None)
-    while stack and pending:
-        node = stack.popleft()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        pending.pop(id(node), None)
-        stack.extend(child for child, _ in node.next_functions if child is not None)
-        stack.extend(inputs_of.get(id(node), ()))
-    if pending:
-        earlier = sum(i < passed for i in pending.values())
-        hint = (
-            f" {earlier} of them were received before an earlier backward pass in this context "
-            f"and every later pass in a context must reach them too: open a new "
-            f"metadist.autograd.context() for each backward pass (e.g. one per step)"
-            if earlier
-            else ""
-        )
-        raise RuntimeError(
-            f"{len(pending)} remote result(s) received in distributed autograd context "
-            f"{context_id} are not reachable from the roots of this backward pass; torch's "
-            f"distributed autograd would wait for their gradients forever. Include them in the "
-            f"roots (e.g. backward on the sum of all losses), or compute them in their own "
-            f"context.{hint}"
-        )
-    if freed:
-        # Every result is reached, so those an earlier pass freed would fail on the workers.
-        raise RuntimeError(
-            f"{freed} remote result(s) reached by this backward pass were already "
-            f"differentiated by an earlier backward pass in distributed autograd context "
-            f"{context_id} without retain_graph=True, which freed their graph. Pass "
-            f"retain_graph=True to the earlier pass, or open a new metadist.autograd.context() "
-            f"for each backward pass (e.g. one per step)"
-        )
-    return len(nodes)
-
-
-def _snapshot(context_id: int, only: list[torch.Tensor] | None) -> dict[torch.Tensor, torch.Tensor]:
-    grads = _dist_get_gradients(context_id)
-    if only is None:
-        return {t: g.clone() for t, g in grads.items()}
-    return {t: grads[t].clone() for t in only if t in grads}
-
-
 def _pass(
     context_id: int,
     roots: list[torch.Tensor],
@@ -613,16 +498,10 @@ def _pass(
 
     The context's map accumulates over passes, so this pass's share is ``after - before``.
     """
-    reached = _check_reachable(context_id, roots)
-    before = _snapshot(context_id, targets)
+    grads = _dist_get_gradients(context_id)
+    keys = grads if targets is None else [t for t in targets if t in grads]
+    before = {t: grads[t].clone() for t in keys}
     _dist_backward(context_id, roots, retain_graph=retain_graph)
-    # The received nodes stay until the context closes: later passes must reach them too.
-    with _RECORDS_LOCK:
-        record = _RECORDS.get(context_id)
-        if record is not None:
-            record.passed = max(record.passed, reached)
-            if not retain_graph:
-                record.freed = max(record.freed, reached)
     after: dict[torch.Tensor, torch.Tensor] = _dist_get_gradients(context_id)
     deltas: dict[torch.Tensor, torch.Tensor] = {}
     with torch.no_grad():
@@ -653,8 +532,7 @@ def backward(
         inputs: Only accumulate into these leaves (default: every leaf reached).
 
     Raises:
-        RuntimeError: RPC is not running; a root does not require grad; a remote result of this
-            context is unreachable from the roots (the pass would hang).
+        RuntimeError: RPC is not running; a root does not require grad.
         ValueError: An unknown ``context_id``, a non-scalar root or a non-leaf input.
 
     Example:
@@ -792,5 +670,3 @@ def is_available() -> bool:
 # torch's context type, under the name torchopt.distributed.autograd re-exports; not in __all__,
 # since it is torch's class, documented there.
 DistAutogradContext = dist_autograd.DistAutogradContext  # type: ignore[attr-defined]
-
-__all__ += ["is_available"]

@@ -13,7 +13,9 @@ under its own test id.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import gc
 import resource
 import threading
@@ -379,25 +381,29 @@ def training_loop_is_the_local_loop_plus_the_decorator(world_size: int) -> None:
 def libraries_inner_loops_equal_local(world_size: int) -> None:
     data = tasks()
     split = md.dim_partitioner(0, exclusive=True)
-    for name, recipe in RECIPES.items():
-        remote, local = pair(5)
-        out = md.remote_sync_call(
-            recipe, args=(remote, *data), partitioner=_ModelFirst(split), reducer=md.mean_reducer
-        )
-        out.backward()
-        expected = recipe(local, *data)
-        expected.backward()
-        assert_close(out.detach(), expected.detach(), f"{name}: value")
-        same_grads(remote, local, name)
-    remote, local = pair(6)
-    out = md.remote_sync_call(
-        higher_tasks, args=(remote, *data), kwargs={"stateful": True}, partitioner=1
-    )[0]
-    out.backward()
-    expected = higher_tasks(local, *data, stateful=True)
-    expected.backward()
-    assert_close(out.detach(), expected.detach(), "higher with Adam: value")
-    same_grads(remote, local, "higher with Adam")
+    for form in ("plain", "context"):
+        for name, recipe in [*RECIPES.items(), ("higher_adam", None)]:
+            remote, local = pair(5)
+            with mag.context() if form == "context" else contextlib.nullcontext() as ctx:
+                if recipe is None:  # higher with a stateful inner optimizer, on worker 1
+                    out = md.remote_sync_call(
+                        higher_tasks, args=(remote, *data), kwargs={"stateful": True}, partitioner=1
+                    )[0]
+                else:
+                    out = md.remote_sync_call(
+                        recipe,
+                        args=(remote, *data),
+                        partitioner=_ModelFirst(split),
+                        reducer=md.mean_reducer,
+                    )
+                if form == "context":
+                    mag.backward(ctx, [out])
+                else:
+                    out.backward()
+            expected = (recipe or functools.partial(higher_tasks, stateful=True))(local, *data)
+            expected.backward()
+            assert_close(out.detach(), expected.detach(), f"{name} ({form}): value")
+            same_grads(remote, local, f"{name} ({form})")
 
 
 class _ModelFirst:
@@ -894,67 +900,29 @@ def backward_accumulates_like_torch_autograd(world_size: int) -> None:
         torch.testing.assert_close(p.grad, 1 + r, rtol=1e-5, atol=1e-6)
 
 
-def unreachable_result_raises_instead_of_hanging(world_size: int) -> None:
+def context_passes_follow_torch_autograd(world_size: int) -> None:
     w = nn.Parameter(torch.tensor([1.0, 2.0]))
-    # A received result that the backward pass cannot reach raises instead of hanging.
+    v = nn.Parameter(torch.tensor([4.0, 6.0]))
+    x2 = torch.tensor([3.0, 5.0])
+    # Calls travel detached in a context too: a pass reaches only what its roots reach, later
+    # passes need not reach earlier results, and calls that return nothing differentiable are
+    # fine (under torch's distributed autograd each of these waited forever).
     with mag.context() as ctx:
         (a,) = remote_sync_call(weighted, args=(w, torch.ones(2)), partitioner=1)
-        (b,) = remote_sync_call(weighted, args=(w, torch.ones(2)), partitioner=2)
-        with pytest.raises(RuntimeError, match="not reachable"):
-            mag.backward(ctx, [b])
-        mag.backward(ctx, [a + b])
+        (b,) = remote_sync_call(weighted, args=(w, x2), partitioner=2)
+        assert _bounded(30, lambda: mag.grad(ctx, b, w))[0].tolist() == [3.0, 5.0]
+        (z,) = remote_sync_call(weighted, args=(v, x2), partitioner=2)
+        assert remote_sync_call(count_elements, args=(w,), partitioner=2) == [2]
+        assert _bounded(30, lambda: mag.grad(ctx, z, [v]))[0].tolist() == [3.0, 5.0]
+        _bounded(30, lambda: mag.backward(ctx, [a]))
+        (d,) = remote_sync_call(doubled, args=(w,), partitioner=2)
+        assert _bounded(30, lambda: mag.grad(ctx, d.total, w))[0].tolist() == [2.0, 2.0]
     assert w.grad is not None
-    assert w.grad.tolist() == [2.0, 2.0]
+    assert w.grad.tolist() == [1.0, 1.0]
     with mag.context() as ctx:
         (c,) = remote_sync_call(scale, args=(w,), partitioner=1)
         with pytest.raises(ValueError, match="scalars only"):
             mag.backward(ctx, [c])
-
-
-def later_pass_must_reach_earlier_results(world_size: int) -> None:
-    w = nn.Parameter(torch.tensor([1.0, 2.0]))
-    # A later pass in the same context must reach the results received before an earlier pass
-    # too (torch waits for them): it raises within seconds instead of hanging.
-    v = nn.Parameter(torch.tensor([4.0, 6.0]))
-    x2 = torch.tensor([3.0, 5.0])
-    with mag.context() as ctx:
-        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
-        assert _bounded(30, lambda: mag.grad(ctx, y, w))[0].tolist() == [3.0, 5.0]
-        (z,) = remote_sync_call(weighted, args=(v, x2), partitioner=2)
-        with pytest.raises(RuntimeError, match=r"not reachable.*new metadist\.autograd\.context"):
-            _bounded(30, lambda: mag.grad(ctx, z, [v]))
-        # Reaching it as well: the first pass freed its graph (torch would fail on the worker).
-        with pytest.raises(RuntimeError, match=r"freed their graph.*retain_graph=True"):
-            _bounded(30, lambda: mag.grad(ctx, y + z, [v]))
-    # With retain_graph=True on the earlier pass, a later pass that reaches both works.
-    with mag.context() as ctx:
-        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
-        _bounded(30, lambda: mag.grad(ctx, y, w, retain_graph=True))
-        (z,) = remote_sync_call(weighted, args=(v, x2), partitioner=2)
-        gw, gv = _bounded(30, lambda: mag.grad(ctx, y + 2 * z, [w, v]))
-    assert (gw.tolist(), gv.tolist()) == ([3.0, 5.0], [6.0, 10.0])
-
-
-def dangling_call_is_named(world_size: int) -> None:
-    w = nn.Parameter(torch.tensor([1.0, 2.0]))
-    x2 = torch.tensor([3.0, 5.0])
-    # A call sent tensors that require grad but returning nothing differentiable (a metric):
-    # torch would wait for its gradients forever; metadist names it. Under no_grad it is fine.
-    with mag.context() as ctx:
-        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
-        assert remote_sync_call(count_elements, args=(w,), partitioner=2) == [2]
-        with pytest.raises(RuntimeError, match=r"count_elements \(partition 0 on 'worker2'\)"):
-            _bounded(30, lambda: mag.grad(ctx, y, w))
-    with mag.context() as ctx:
-        (y,) = remote_sync_call(weighted, args=(w, x2), partitioner=1)
-        with torch.no_grad():
-            assert remote_sync_call(count_elements, args=(w,), partitioner=2) == [2]
-        assert _bounded(30, lambda: mag.grad(ctx, y, w))[0].tolist() == [3.0, 5.0]
-    # A differentiable tensor inside a result class is not mistaken for a dangling call.
-    with mag.context() as ctx:
-        (d,) = remote_sync_call(doubled, args=(w,), partitioner=2)
-        assert _bounded(30, lambda: mag.grad(ctx, d.total, w))[0].tolist() == [2.0, 2.0]
-    assert mag._open_contexts() == 0  # released when each context closed
 
 
 # The shared loss, parallelized as a function (workers run the original, _maml.maml_loss).
@@ -987,9 +955,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     meta_gradients_match_single_process,
     grad_returns_new_tensors_and_never_double_counts,
     backward_accumulates_like_torch_autograd,
-    unreachable_result_raises_instead_of_hanging,
-    later_pass_must_reach_earlier_results,
-    dangling_call_is_named,
+    context_passes_follow_torch_autograd,
 ]
 
 
@@ -1002,3 +968,291 @@ def world() -> Scenarios:
 @pytest.mark.parametrize("name", [s.__name__ for s in SCENARIOS])
 def test_remote_is_a_differentiable_function(world: Scenarios, name: str) -> None:
     world.check(name)
+
+
+# ------------------------------------------------------------------------------------------
+# Edges: every program below runs as in one process, or is refused by name before anything is
+# sent (one row per edge; a world of 3, rank 0 drives; compared with the same code run here).
+
+
+def lin_sum(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (x @ w).sum()
+
+
+def lin_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (x @ w).sin()
+
+
+def times_two(w: torch.Tensor) -> torch.Tensor:
+    return w * 2  # saves no tensor for backward
+
+
+def squares(w: torch.Tensor) -> torch.Tensor:
+    return (w * w).sum()  # saves w for backward
+
+
+def slow_square(w: torch.Tensor, seconds: float) -> torch.Tensor:
+    time.sleep(seconds)
+    return (w * w).sum()
+
+
+def square_or_raise(w: torch.Tensor, fail: torch.Tensor) -> torch.Tensor:
+    if bool(fail.any()):
+        raise ValueError("this partition fails")
+    return (w * w).sum()
+
+
+class _Flags:
+    """Partition 0 (on worker 1) succeeds, partition 1 (on worker 2) raises."""
+
+    def __call__(self, w: torch.Tensor) -> list[tuple[Any, Any, Any]]:
+        return [(1, (w, torch.zeros(1)), {}), (2, (w, torch.ones(1)), {})]
+
+
+def linear_out(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x)
+
+
+def plain_linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, m.weight, m.bias)
+
+
+class RemoteLinear(nn.Linear):
+    """A layer whose forward runs on worker 1, with itself as the argument."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return md.remote_sync_call(plain_linear, args=(self, x), partitioner=1)[0]
+
+
+def writes_grad(w: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():
+        loss = (w * w).sum()
+        loss.backward()
+    return loss.detach()
+
+
+def built_with_grad(w: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():
+        return (w * 3).sum()
+
+
+def zero_grad_then_backward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    m.zero_grad()
+    loss = m(x).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def _remote_squares(w: torch.Tensor) -> torch.Tensor:
+    return md.remote_sync_call(squares, args=(w,), partitioner=1)[0]
+
+
+def _kept_on(ranks: tuple[int, ...]) -> list[int]:
+    # The first call carries the releases the caller owes each worker; the second counts.
+    for _ in range(2):
+        counts = [md.remote_sync_call(kept_graphs, partitioner=r)[0] for r in ranks]
+    return counts
+
+
+def torch_func_transforms_are_refused(world_size: int) -> None:
+    x = torch.randn(8, 3)
+    w = torch.randn(3)
+    remote_par = parallelize(partitioner=1)(lin_sum)
+    for partitioner in (1, 0):  # remote, and in-process: one program, one answer
+
+        def call(w: torch.Tensor, p: int = partitioner) -> torch.Tensor:
+            return md.remote_sync_call(lin_sum, args=(w, x), partitioner=p)[0]
+
+        cases: dict[str, Callable[[], Any]] = {
+            "grad": lambda: torch.func.grad(call)(w),
+            "vjp": lambda: torch.func.vjp(call, w),
+            "jvp": lambda: torch.func.jvp(call, (w,), (torch.ones(3),)),
+            "vmap": lambda: torch.func.vmap(call)(torch.randn(4, 3)),
+            "parallelize in grad": lambda: torch.func.grad(lambda w: remote_par(w, x)[0])(w),
+        }
+        for name, case in cases.items():
+            with pytest.raises(TypeError, match=r"argument args\[0\] is a tensor of a torch\.func"):
+                case()
+            assert kept_graphs() == kept_graphs(), name  # the process is alive and serving
+    # The module form (functional_call under grad) names the parameter.
+    model = RemoteLinear(3, 1)
+
+    def through_module(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,)).sum()
+
+    with pytest.raises(TypeError, match=r"parameter 'weight' of module argument args\[0\]"):
+        torch.func.grad(through_module)(dict(model.named_parameters()))
+    # Vectorized backward passes (vmap over the backward) are refused; one row at a time works.
+    wg = torch.randn(3, requires_grad=True)
+
+    def rows(w: torch.Tensor) -> torch.Tensor:
+        return md.remote_sync_call(lin_rows, args=(w, x), partitioner=1)[0]
+
+    with pytest.raises(RuntimeError, match="vectorize=False"):
+        torch.autograd.functional.jacobian(rows, wg, vectorize=True)
+    got = torch.autograd.functional.jacobian(rows, wg)
+    want = torch.autograd.functional.jacobian(lambda w: lin_rows(w, x), wg)
+    assert_close(got, want, "jacobian, one row at a time")
+
+
+def forward_mode_dual_tensors_are_refused(world_size: int) -> None:
+    from torch.autograd import forward_ad
+
+    with forward_ad.dual_level():
+        w = forward_ad.make_dual(torch.randn(3), torch.ones(3))
+        for partitioner in (1, 0):
+            with pytest.raises(TypeError, match=r"args\[0\] is a dual tensor of forward-mode AD"):
+                md.remote_sync_call(times_two, args=(w,), partitioner=partitioner)
+        primal = forward_ad.unpack_dual(w).primal
+        (out,) = md.remote_sync_call(times_two, args=(primal,), partitioner=1)
+        assert torch.equal(out, primal * 2)
+
+
+def concurrent_backward_passes_are_exact(world_size: int) -> None:
+    x = torch.randn(8, 3)
+    w = torch.randn(3, requires_grad=True)
+    (r,) = md.remote_sync_call(lin_rows, args=(w, x), partitioner=1)
+    losses = [(r * 1.0).sum() + (w * 10.0).sum(), (r * 2.0).sum() + (w * 100.0).sum()]
+    wl = w.detach().clone().requires_grad_(True)
+    rl = lin_rows(wl, x)
+    expected = [
+        torch.autograd.grad((rl * 1.0).sum() + (wl * 10.0).sum(), wl)[0],
+        torch.autograd.grad((rl * 2.0).sum() + (wl * 100.0).sum(), wl)[0],
+    ]
+    wrong: list[str] = []
+
+    def passes(k: int) -> None:
+        for i in range(50):
+            (g,) = torch.autograd.grad(losses[k], w, retain_graph=True)
+            if not torch.allclose(g, expected[k], rtol=1e-5, atol=1e-6):
+                wrong.append(f"thread {k} pass {i}: {g.tolist()} != {expected[k].tolist()}")
+
+    threads = [threading.Thread(target=passes, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a backward pass hung"
+    assert not wrong, f"{len(wrong)} of 100 passes wrong: {wrong[:3]}"
+
+
+def retain_graph_under_saved_tensor_hooks(world_size: int) -> None:
+    w = torch.randn(3, requires_grad=True)
+    expected = 2 * torch.autograd.grad(squares(w), w)[0]  # two passes
+    with torch.autograd.graph.save_on_cpu():
+        loss = _remote_squares(w) * 1.0
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert_close(w.grad, expected, "save_on_cpu: two passes")  # type: ignore[arg-type]
+    w.grad = None
+    loss = torch.utils.checkpoint.checkpoint(_remote_squares, w, use_reentrant=False) * 1.0
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert_close(w.grad, expected, "non-reentrant checkpoint: two passes")  # type: ignore[arg-type]
+
+
+def no_graph_outlives_timeouts_or_failed_siblings(world_size: int) -> None:
+    w = torch.randn(3, requires_grad=True)
+    before = _kept_on((1, 2))
+    gc.disable()  # nothing below may wait for the cycle collector
+    try:
+        with pytest.raises(TimeoutError, match="partition 0 of 1 on worker 'worker1'"):
+            md.remote_sync_call(slow_square, args=(w, 2.0), partitioner=1, timeout=0.5)
+        time.sleep(2.5)  # the partition finishes on worker 1 after the caller gave up
+        assert _kept_on((1, 2)) == before, "a timed-out partition's graph is kept"
+        with pytest.raises(ValueError, match="this partition fails"):
+            md.remote_sync_call(square_or_raise, args=(w,), partitioner=_Flags())
+        assert _kept_on((1, 2)) == before, "the graph of a failed call's sibling is kept"
+    finally:
+        gc.enable()
+
+
+def caller_state_travels(world_size: int) -> None:
+    torch.manual_seed(0)
+    m, x = nn.Linear(4, 2), torch.randn(5, 4)
+    with torch.autocast("cpu", torch.bfloat16):
+        (got,) = md.remote_sync_call(linear_out, args=(m, x), partitioner=1)
+        want = linear_out(m, x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got.detach(), want.detach())
+    for func in (writes_grad, built_with_grad):
+        w = torch.randn(3, requires_grad=True)
+        wl = w.detach().clone().requires_grad_(True)
+        with torch.no_grad():
+            (out,) = md.remote_sync_call(func, args=(w,), partitioner=1)
+            ref = func(wl)
+        assert out.requires_grad == ref.requires_grad, func.__name__
+        if out.requires_grad:
+            out.backward()
+            ref.backward()
+        assert w.grad is not None, f"{func.__name__}: no .grad under no_grad"
+        assert_close(w.grad, wl.grad, f"{func.__name__} under no_grad")  # type: ignore[arg-type]
+
+
+def results_behave_as_local_ones(world_size: int) -> None:
+    w = torch.randn(3, requires_grad=True)
+    (r,) = md.remote_sync_call(times_two, args=(w,), partitioner=1)
+    r.mul_(2)  # in place on a result, as on any tensor
+    r.sum().backward(retain_graph=True)
+    assert w.grad.tolist() == [4.0, 4.0, 4.0]  # type: ignore[union-attr]
+    # A graph that saves no tensors can be walked twice without retain_graph, as locally.
+    (r,) = md.remote_sync_call(times_two, args=(w,), partitioner=1)
+    loss = r.sum()
+    loss.backward()
+    loss.backward()
+    assert w.grad.tolist() == [8.0, 8.0, 8.0]  # type: ignore[union-attr]
+    # One that saves tensors raises on the second pass, as locally.
+    (s,) = md.remote_sync_call(squares, args=(w,), partitioner=1)
+    s.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        s.backward()
+    local = squares(w)
+    local.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        local.backward()
+
+
+def meta_tensors_travel_as_meta(world_size: int) -> None:
+    m = nn.Linear(4, 2, device="meta")
+    x = torch.empty(5, 4, device="meta")
+    want = linear_out(m, x)
+    for partitioner in (1, 0):
+        (got,) = md.remote_sync_call(linear_out, args=(m, x), partitioner=partitioner)
+        assert (got.device.type, got.shape, got.dtype) == ("meta", want.shape, want.dtype)
+        assert got.requires_grad == want.requires_grad
+
+
+def zero_grad_inside_a_partition_is_as_documented(world_size: int) -> None:
+    # docs/autograd.md: .grad written inside a partition is added to the caller's .grad; a
+    # model.zero_grad() inside the partition clears only the worker's copy, which had none.
+    torch.manual_seed(1)
+    m, x = nn.Linear(3, 1), torch.randn(4, 3)
+    m.weight.grad = torch.ones_like(m.weight)
+    md.remote_sync_call(zero_grad_then_backward, args=(m, x), partitioner=1)
+    local = copy.deepcopy(m)
+    zero_grad_then_backward(local, x)
+    assert_close(m.weight.grad, 1 + local.weight.grad, "documented: old .grad + g")  # type: ignore[arg-type,operator]
+
+
+EDGES: list[Callable[[int], Any]] = [
+    torch_func_transforms_are_refused,
+    forward_mode_dual_tensors_are_refused,
+    concurrent_backward_passes_are_exact,
+    retain_graph_under_saved_tensor_hooks,
+    no_graph_outlives_timeouts_or_failed_siblings,
+    caller_state_travels,
+    results_behave_as_local_ones,
+    meta_tensors_travel_as_meta,
+    zero_grad_inside_a_partition_is_as_documented,
+]
+
+
+@pytest.fixture(scope="module")
+def edges() -> Scenarios:
+    return run_scenarios(EDGES, 3, timeout=300)
+
+
+@pytest.mark.timeout(350)
+@pytest.mark.parametrize("name", [s.__name__ for s in EDGES])
+def test_edge_is_exact_or_refused(edges: Scenarios, name: str) -> None:
+    edges.check(name)

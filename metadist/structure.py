@@ -1,0 +1,334 @@
+"""The module-structure cache: each module's structure travels to a worker once.
+
+On the caller, a *send plan* per ``nn.Module`` argument: the module tree pickled with every
+parameter and buffer left out (its *structure*, keyed by a fingerprint of those bytes), and
+where each parameter and buffer goes. A plan is rebuilt only when the module's structure
+changes (checked on every call, cheaply); the structure bytes travel with every call to a worker
+until a call carrying them has succeeded there. On the worker, a *rebuilder* per fingerprint
+makes a fresh module object per call from the call's tensors (RPC handlers run concurrently).
+
+Non-tensor attributes of a module (e.g. ``dropout.p``) are captured when its structure is first
+sent; call :func:`invalidate_module_cache` after changing them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from itertools import repeat
+from operator import is_
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "STRUCTURE_CACHE_SIZE",
+    "SendPlan",
+    "clear_module_cache",
+    "invalidate_module_cache",
+    "is_confirmed",
+    "mark_structure_confirmed",
+    "plan_for",
+    "rebuilder",
+]
+
+#: How many module structures a worker keeps (least recently used are evicted).
+STRUCTURE_CACHE_SIZE = 1024
+
+# (slot name, index into the unique tensor list or -1 for None)
+_Slots = tuple[tuple[str, int], ...]
+# Per module: parameter slots, buffer slots, child slots (index into the module list or -1).
+_Spec = tuple[_Slots, _Slots, _Slots]
+
+# Per module, every slot that decides the plan's shape, in order: parameter names and the object
+# in each slot (identity also decides which slots share a tensor), buffer names and which are
+# None (buffers are read by name per call, so replacing one needs no new plan), child names and
+# the child in each slot.
+_SlotIdentity = tuple[
+    tuple[str, ...],
+    tuple[nn.Parameter | None, ...],
+    tuple[str, ...],
+    tuple[bool, ...],
+    tuple[str, ...],
+    tuple[nn.Module | None, ...],
+]
+
+
+class SendPlan:
+    """How one module travels: its structure's bytes and fingerprint, what to read per call."""
+
+    __slots__ = (
+        "buffer_reads",
+        "buffer_ties",
+        "checks",
+        "fingerprint",
+        "param_reads",
+        "structure",
+        "submodules",
+    )
+
+    def __init__(self, module: nn.Module, describe: Callable[[], str]) -> None:
+        modules = list(module.modules())
+        index = {id(m): i for i, m in enumerate(modules)}
+        params: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] = []
+        # Indices into params / buffers by tensor id; separate, since a parameter may also be
+        # registered as a buffer (an index into one list means nothing in the other).
+        seen: dict[int, int] = {}
+        seen_buffers: dict[int, int] = {}
+        # Modules are referred to by index into `modules`: the plan must not hold the root
+        # module strongly (it is the value of a weak-keyed cache entry for that very module).
+        param_reads: list[tuple[int, str, torch.Tensor]] = []
+        buffer_reads: list[tuple[int, str]] = []
+        specs: list[_Spec] = []
+        checks: list[_SlotIdentity] = []
+        # Buffer slots sharing the tensor of an earlier slot: (module, name, first module, name).
+        buffer_ties: list[tuple[int, str, int, str]] = []
+        first_buffer: dict[int, tuple[int, str]] = {}
+        for k, m in enumerate(modules):
+            p_slots: list[tuple[str, int]] = []
+            for name, p in m._parameters.items():
+                if p is None:
+                    p_slots.append((name, -1))
+                    continue
+                j = seen.get(id(p))
+                if j is None:  # first occurrence; tied parameters share an index
+                    j = seen[id(p)] = len(params)
+                    params.append(p)
+                    param_reads.append((k, name, p))
+                p_slots.append((name, j))
+            b_slots: list[tuple[str, int]] = []
+            for name, b in m._buffers.items():
+                if b is None:
+                    b_slots.append((name, -1))
+                    continue
+                j = seen_buffers.get(id(b))
+                if j is None:
+                    j = seen_buffers[id(b)] = len(buffers)
+                    buffers.append(b)
+                    buffer_reads.append((k, name))
+                    first_buffer[id(b)] = (k, name)
+                else:
+                    buffer_ties.append((k, name, *first_buffer[id(b)]))
+                b_slots.append((name, j))
+            c_slots = tuple(
+                (name, -1 if c is None else index[id(c)]) for name, c in m._modules.items()
+            )
+            specs.append((tuple(p_slots), tuple(b_slots), c_slots))
+            checks.append(
+                (
+                    tuple(m._parameters),
+                    tuple(m._parameters.values()),
+                    tuple(m._buffers),
+                    tuple(b is None for b in m._buffers.values()),
+                    tuple(m._modules),
+                    tuple(m._modules.values()),
+                )
+            )
+        # The skeleton: a deep copy with every parameter and buffer replaced by None (the memo
+        # makes deepcopy return None for them instead of copying their data).
+        memo: dict[int, Any] = {id(t): None for t in (*params, *buffers)}
+        for m in modules:
+            # A tensor attribute computed from the parameters (weight_norm's ``weight``) is not
+            # a leaf and cannot be deep-copied; its value is recomputed before each forward,
+            # so the skeleton keeps a detached copy.
+            for value in vars(m).values():
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    memo[id(value)] = value.detach()
+        try:
+            skeleton = copy.deepcopy(module, memo)
+            for m in skeleton.modules():  # sent per call: keep it out of the fingerprint
+                m.training = True
+            structure = pickle.dumps((skeleton, tuple(specs)), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:
+            raise TypeError(
+                f"module argument {describe()} ({type(module).__qualname__}) cannot be "
+                f"sent to other workers: pickling its structure failed with "
+                f"{type(error).__name__}: {error}. "
+                f"Its classes (and any hooks) must be defined at module level so that every "
+                f"worker can import them"
+            ) from error
+        self.submodules = tuple(modules[1:])
+        self.checks = tuple(checks)
+        self.buffer_ties = tuple(buffer_ties)
+        self.param_reads = tuple(param_reads)
+        self.buffer_reads = tuple(buffer_reads)
+        self.structure = structure
+        self.fingerprint = hashlib.blake2b(structure, digest_size=16).hexdigest()
+
+    def modules(self, root: nn.Module) -> tuple[nn.Module, ...]:
+        """The module list (``root.modules()`` order) this plan was made for."""
+        return (root, *self.submodules)
+
+    def still_valid(self, modules: tuple[nn.Module, ...]) -> bool:
+        """Cheap per-call check that every slot the plan depends on is as it was.
+
+        Any difference (a slot added, removed, renamed or reordered, set or emptied; another
+        parameter or child object; tied buffers untied) means the structure must be sent again.
+        O(#slots) with C-level loops (``map``): this runs on every call.
+        """
+        for m, (p_names, p_objs, b_names, b_none, c_names, c_objs) in zip(
+            modules, self.checks, strict=True
+        ):
+            buffers = m._buffers
+            if not (
+                _same(m._parameters, p_names, p_objs)
+                and _same(m._modules, c_names, c_objs)
+                and tuple(buffers) == b_names
+                and tuple(map(is_, buffers.values(), repeat(None))) == b_none
+            ):
+                return False
+        return all(
+            modules[k]._buffers.get(name) is modules[k0]._buffers.get(name0)
+            for k, name, k0, name0 in self.buffer_ties
+        )
+
+
+def _same(slots: dict[str, Any], names: tuple[str, ...], objects: tuple[Any, ...]) -> bool:
+    """The same names in the same order, holding the same objects."""
+    return (
+        len(slots) == len(names)
+        and all(map(is_, slots.values(), objects))
+        and tuple(slots) == names
+    )
+
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, SendPlan] = weakref.WeakKeyDictionary()
+_PLANS_LOCK = threading.Lock()
+
+# Structures each worker has confirmed (a call that carried them succeeded), per running world:
+# {world token: {worker name: {fingerprint}}}. A structure is sent with every call to a worker
+# until a call carrying it has succeeded, so concurrent first calls never wait for each other.
+_CONFIRMED: dict[object, dict[str, set[str]]] = {}
+
+
+def invalidate_module_cache(module: nn.Module) -> None:
+    """Forget the cached structure of ``module`` (and its submodules' own entries).
+
+    Structural changes (adding, removing, renaming or replacing submodules, parameters or
+    buffers, or setting one that was ``None``) are detected automatically; call this after
+    changing a non-tensor attribute such as ``dropout.p`` (or a hook) so that workers see the
+    new value. The ``training`` flag is sent on every call and needs no invalidation.
+
+    Args:
+        module: The caller's module.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"invalidate_module_cache: module must be an nn.Module, got {module!r}")
+    with _PLANS_LOCK:
+        for m in module.modules():
+            _PLANS.pop(m, None)
+
+
+def clear_module_cache() -> None:
+    """Forget every cached structure on this worker, as caller and as worker."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
+        _CONFIRMED.clear()
+    with _STRUCTURES_LOCK:
+        _STRUCTURES.clear()
+
+
+def plan_for(
+    module: nn.Module, describe: Callable[[], str]
+) -> tuple[SendPlan, tuple[nn.Module, ...]]:
+    """The module's plan (made or remade if its structure changed) and its module list.
+
+    ``describe()`` names the argument in the error raised when the structure cannot be pickled.
+    """
+    plan = _PLANS.get(module)
+    if plan is not None:
+        modules = plan.modules(module)
+        if plan.still_valid(modules):
+            return plan, modules
+    plan = SendPlan(module, describe)
+    with _PLANS_LOCK:
+        _PLANS[module] = plan
+    return plan, plan.modules(module)
+
+
+def mark_structure_confirmed(world: object, worker: str, fingerprints: tuple[str, ...]) -> None:
+    """Record that ``worker`` has cached ``fingerprints`` in the running ``world``."""
+    if fingerprints:
+        _CONFIRMED.setdefault(world, {}).setdefault(worker, set()).update(fingerprints)
+
+
+def is_confirmed(world: object, worker: str, fingerprint: str) -> bool:
+    """Whether ``worker`` has cached ``fingerprint`` in the running ``world``."""
+    per_world = _CONFIRMED.get(world)
+    if per_world is None:
+        if _CONFIRMED:  # a previous world's confirmations are meaningless now
+            _CONFIRMED.clear()
+        return False
+    known = per_world.get(worker)
+    return known is not None and fingerprint in known
+
+
+class Rebuilder:
+    """What a worker needs to build a fresh module per call from a cached structure."""
+
+    __slots__ = ("bases", "classes", "specs")
+
+    def __init__(self, skeleton: nn.Module, specs: tuple[_Spec, ...]) -> None:
+        modules = list(skeleton.modules())
+        skip = {"_parameters", "_buffers", "_modules", "training"}
+        self.classes = tuple(type(m) for m in modules)
+        self.bases = tuple({k: v for k, v in m.__dict__.items() if k not in skip} for m in modules)
+        self.specs = specs
+
+    def build(
+        self,
+        params: list[torch.Tensor],
+        buffers: list[torch.Tensor | None],
+        training: int,
+    ) -> nn.Module:
+        fresh = [cls.__new__(cls) for cls in self.classes]
+        for i, (module, base, (p_slots, b_slots, c_slots)) in enumerate(
+            zip(fresh, self.bases, self.specs, strict=True)
+        ):
+            state = dict(base)  # shallow: non-tensor attributes are shared, read-only
+            state["_parameters"] = {n: (params[j] if j >= 0 else None) for n, j in p_slots}
+            state["_buffers"] = {n: (buffers[j] if j >= 0 else None) for n, j in b_slots}
+            state["_modules"] = {n: (fresh[j] if j >= 0 else None) for n, j in c_slots}
+            state["training"] = bool(training >> i & 1)
+            object.__setattr__(module, "__dict__", state)
+            if isinstance(module, nn.RNNBase):
+                # RNNs keep a list of their weights (``_flat_weights``) that is filled when the
+                # module is made or its parameters are set; refresh it from this call's tensors.
+                module._init_flat_weights()
+        return fresh[0]
+
+
+_STRUCTURES: OrderedDict[str, Rebuilder] = OrderedDict()
+_STRUCTURES_LOCK = threading.Lock()
+
+
+def rebuilder(fingerprint: str, structure: bytes | None) -> Rebuilder:
+    """The worker's rebuilder for ``fingerprint``, made from ``structure`` if not cached."""
+    with _STRUCTURES_LOCK:
+        cached = _STRUCTURES.get(fingerprint)
+        if cached is not None:
+            _STRUCTURES.move_to_end(fingerprint)
+            return cached
+    if structure is None:
+        raise RuntimeError(
+            f"module structure {fingerprint} is not cached on this worker (it keeps the "
+            f"{STRUCTURE_CACHE_SIZE} most recently used structures); call "
+            f"metadist.clear_module_cache() on the caller to resend structures"
+        )
+    skeleton, specs = pickle.loads(structure)
+    made = Rebuilder(skeleton, specs)
+    with _STRUCTURES_LOCK:
+        _STRUCTURES[fingerprint] = made
+        while len(_STRUCTURES) > STRUCTURE_CACHE_SIZE:
+            _STRUCTURES.popitem(last=False)
+    return made
