@@ -536,10 +536,11 @@ class _Call:
         if self.bar is not None:
             self.bar.close()
         outcomes = [self._outcome(i) for i in range(len(self.workers))]
+        link, self.link = self.link, None  # the call's graph is the result's, not the call's
         errors = [value for ok, value in outcomes if not ok]
         if errors:
-            if self.link is not None:
-                self.link.abandon(self.lost)
+            if link is not None:
+                link.abandon(self.lost)
             first = errors[0]
             if len(errors) > 1:
                 others = ", ".join(
@@ -550,8 +551,8 @@ class _Call:
             del outcomes  # the raised error's traceback must not hold the results
             raise first
         values = [value for _, value in outcomes]
-        if self.link is not None:
-            values = self.link.finish(values)
+        if link is not None:
+            values = link.finish(values)
         if self.reducer is None:
             return values
         with contextlib.ExitStack() as stack:
@@ -652,6 +653,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
         # than static with one in flight, 1.25x with two; bench_schedule.py --costs).
         call.schedule = _Schedule(call, dynamic, 1 if dynamic else IN_FLIGHT_PER_WORKER)
         call.schedule.drive([n for n, _, _ in parts])
+        call.schedule = None  # no reference cycle: the call's graph must not wait for the GC
         return call
     for i in remote:
         call.send(i, parts[i][0])

@@ -209,7 +209,7 @@ def _second_order(  # noqa: PLR0917
 
 
 def _refuse_batched(grads: Sequence[torch.Tensor | None]) -> None:
-    if any(g is not None and torch._C._functorch.is_functorch_wrapped_tensor(g) for g in grads):
+    if any(g is not None and transport.storageless(g) for g in grads):
         raise RuntimeError(
             "a remote call's result is differentiated inside a torch.func transform (vmap over "
             "the backward pass: torch.autograd.functional.jacobian(..., vectorize=True), "
@@ -253,17 +253,11 @@ class _Results(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         _refuse_batched(grads)
         state: RemoteGradients = ctx.state
-        retain = state.retain or not all(
-            probe is not None and probe() is None
-            for probe, g in zip(state.probes, grads, strict=True)
-            if g is not None
+        retain = state.retain or any(
+            _kept(probe) for probe, g in zip(state.probes, grads, strict=True) if g is not None
         )
         number = state.send(grads, torch.is_grad_enabled(), retain)
         return None, None, torch.tensor(float(number), dtype=torch.float64)
-
-
-def _identity(t: Any) -> Any:
-    return t
 
 
 class _Probe(torch.autograd.Function):
@@ -275,20 +269,30 @@ class _Probe(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, state: RemoteGradients, output: torch.Tensor) -> torch.Tensor:
-        marker = torch.empty(0)
-        # The marker is saved as it is, whatever saved-tensor hooks the user has set (e.g.
-        # save_on_cpu); hooks that drop it at once (non-reentrant checkpointing) leave the
-        # probe unable to tell, and the pass is taken as keeping the graph.
-        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-            ctx.save_for_backward(marker)
-        probe = weakref.ref(marker)
-        del marker
-        state.probes.append(probe if probe() is not None else None)
+        ctx.save_for_backward(torch.empty(0))
+        state.probes.append(weakref.ref(ctx))
         return output.detach()  # not the input itself: in-place ops on it work as on any result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return None, grad
+
+
+def _kept(probe: Any) -> bool:
+    """Whether the probe's node still holds its saved marker (the pass keeps the graph).
+
+    ``_raw_saved_tensors`` reads the slot without unpacking it, so saved-tensor hooks (e.g.
+    non-reentrant checkpointing, which would recompute it) play no part; torch has no public
+    way to ask.
+    """
+    node = probe()
+    if node is None:
+        return True
+    try:
+        node._raw_saved_tensors  # noqa: B018 - raises once the pass freed it
+    except RuntimeError:
+        return False
+    return True
 
 
 def _linked(

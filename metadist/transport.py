@@ -43,7 +43,10 @@ __all__ = [
     "decode",
     "encode",
     "invalidate_module_cache",
+    "is_plain",
+    "refuse_hidden_grad",
     "resolve_compression",
+    "storageless",
     "unwire",
     "unwire_tree",
     "wire",
@@ -148,10 +151,21 @@ def unwire(item: Any) -> Any:
 # Caller side
 
 
+def storageless(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense tensor without storage: a torch.func or vmap wrapper, which
+    exists only inside its transform (RPC aborts the process on one)."""
+    if t.layout != torch.strided:
+        return False  # sparse tensors have no single storage either, and travel
+    try:
+        t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
+
+
 def _why_not(t: torch.Tensor) -> str | None:
     """Why tensor ``t`` cannot travel, or ``None``."""
-    # torch.func offers no public test for its wrappers; RPC aborts the process on them.
-    if torch._C._functorch.is_functorch_wrapped_tensor(t):
+    if storageless(t):
         return (
             "is a tensor of a torch.func transform (grad, vjp, jvp, vmap, jacrev, "
             "functional_call under one of them, ...), which exists only inside the transform. "
@@ -234,8 +248,9 @@ _PLAIN_LEAVES = (
 
 
 def _transforming() -> bool:
-    """Whether a torch.func transform or a forward-mode AD level is active on this thread
-    (the only places where tensors that cannot travel exist)."""
+    """Whether a torch.func transform or a forward-mode AD level is active on this thread, the
+    only places where tensors that cannot travel exist (torch has no public way to ask; this
+    keeps the per-tensor checks off every other call)."""
     return torch._C._functorch.maybe_current_level() is not None or forward_ad._current_level >= 0
 
 
@@ -270,17 +285,19 @@ def _needs_encoding(obj: Any, dtype: torch.dtype | None, attached: bool) -> bool
         return False
     if isinstance(obj, nn.Module):
         return True
-    return not _is_plain(obj)
+    return not is_plain(obj)
 
 
-def _is_plain(obj: Any) -> bool:
+def is_plain(obj: Any) -> bool:
+    """Whether ``obj`` is a leaf that cannot hold a tensor."""
     if isinstance(obj, _PLAIN_LEAVES):
         return True
     return isinstance(obj, numpy.ndarray) and obj.dtype != object
 
 
-def _refuse_hidden_grad(obj: Any, where: _Where) -> None:
-    """Raise if ``obj``, a leaf pytree cannot look into, holds a tensor that requires grad.
+def refuse_hidden_grad(obj: Any, name: str) -> None:
+    """Raise if ``obj`` (named ``name``), a leaf pytree cannot look into, holds a tensor that
+    requires grad.
 
     RPC would pickle such a tensor detached, so its gradient (and its ``requires_grad`` flag)
     would be lost without a word. The scan pickles ``obj`` with every tensor replaced by a
@@ -293,7 +310,7 @@ def _refuse_hidden_grad(obj: Any, where: _Where) -> None:
         return  # unpicklable: RPC itself reports it when sending
     if finder.found:
         raise TypeError(
-            f"argument {_name(where)} ({type(obj).__qualname__}) holds a tensor that "
+            f"{name} ({type(obj).__qualname__}) holds a tensor that "
             f"requires grad inside an object metadist cannot look into: it would arrive "
             f"detached and its gradient would be lost. Register the class as a pytree node "
             f"(torch.utils._pytree.register_dataclass for a dataclass, register_pytree_node "
@@ -367,8 +384,8 @@ def encode(
                 leaves[i] = sent
             else:
                 leaves[i] = wire(leaf, dtype)
-        elif not _is_plain(leaf):
-            _refuse_hidden_grad(leaf, (args, kwargs, i))
+        elif not is_plain(leaf):
+            refuse_hidden_grad(leaf, f"argument {_name((args, kwargs, i))}")
     new_args, new_kwargs = tree_unflatten(leaves, spec)
     return new_args, new_kwargs, True, tuple(new_structures), sources
 
@@ -391,8 +408,8 @@ def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                     _refuse(p, where, f"parameter {name!r} of module argument")
         elif isinstance(leaf, torch.Tensor):
             _refuse(leaf, where)
-        elif not _is_plain(leaf):
-            _refuse_hidden_grad(leaf, where)
+        elif not is_plain(leaf):
+            refuse_hidden_grad(leaf, f"argument {_name(where)}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -237,6 +237,8 @@ def check_result(result: Any) -> None:
                 f"tensors computed from it instead (for a module, e.g. "
                 f"{{name: p * 1 for name, p in module.named_parameters()}})"
             )
+        if not isinstance(leaf, torch.Tensor) and not transport.is_plain(leaf):
+            transport.refuse_hidden_grad(leaf, f"the result at result{keystr(path)}")
 
 
 def _reply(result: Any, leaves: list[torch.Tensor], key: int, dtype: Any, start: float) -> Reply:
@@ -258,11 +260,38 @@ def _reply(result: Any, leaves: list[torch.Tensor], key: int, dtype: Any, start:
     return Reply(tree_unflatten(flat, spec), outputs, kept, written, wired, start, timeline.now())
 
 
-def _rpc_made_in(context_id: int) -> bool:
-    """Whether RPC carried tensors that require grad in ``context_id`` (torch offers no public
-    way to ask; the context's send and receive functions are where it records them)."""
+def _recorded(context_id: int) -> tuple[set[int], set[int]]:
+    """The messages distributed autograd recorded in ``context_id`` on this worker (torch offers
+    no public way to ask: a context's send and receive functions are where it keeps them).
+    Messages without tensors that require grad, such as metadist's own, record none."""
     context = dist_autograd._retrieve_context(context_id)  # type: ignore[attr-defined]
-    return bool(context._send_functions() or context._recv_functions())
+    return set(context._send_functions()), set(context._recv_functions())
+
+
+@contextlib.contextmanager
+def _watch_rpc() -> Iterator[None]:
+    """Raise if the block makes RPC calls that distributed autograd records.
+
+    Inside its caller's context (torch propagates it to the handler thread) or, on a thread
+    without one, inside a context of its own: either way torch records what the block sends
+    and receives with tensors that require grad, which metadist's own gradient path would miss.
+    """
+    context_id = _context_here()
+    with contextlib.ExitStack() as stack:
+        if context_id is None:
+            context_id = stack.enter_context(dist_autograd.context())
+        before = _recorded(context_id)
+        yield
+        after = _recorded(context_id)
+    if after[0] - before[0] or after[1] - before[1]:
+        raise RuntimeError(_UNSEEN_RPC)
+
+
+def _context_here() -> int | None:
+    try:
+        return int(dist_autograd._current_context()._context_id())  # type: ignore[attr-defined]
+    except RuntimeError:
+        return None
 
 
 _UNSEEN_RPC = (
@@ -306,18 +335,10 @@ def _run_partition(request: Request) -> Any:
     try:
         with contextlib.ExitStack() as stack:
             state.enter(stack)
-            watch = None
-            import sys
-
-            from metadist.autograd import torch_context_id as _t
-
-            print("DBG", threading.current_thread().name, _t(), file=sys.stderr, flush=True)
             if in_context and not attached:
-                watch = stack.enter_context(dist_autograd.context())
+                stack.enter_context(_watch_rpc())
             result = getattr(func, ORIGINAL, func)(*args, **kwargs)
             check_result(result)
-            if watch is not None and _rpc_made_in(watch):
-                raise RuntimeError(_UNSEEN_RPC)
         if attached:  # torch's distributed autograd links the tensors of the reply
             return Reply(result, (), False, (), False, start, timeline.now())
         return _reply(result, leaves, key, dtype, start)

@@ -163,7 +163,6 @@ def _world(rank: int, world_size: int) -> None:
         flush=True,
     )
     assert all(g < MAX_RSS_GROWTH for g in growth), (before, after)
-    assert md_autograd._open_contexts() == 0  # per-context bookkeeping released
     # Releasing a context on the workers is a fire-and-forget message: allow it to arrive.
     deadline = time.monotonic() + 5.0
     while True:

@@ -23,7 +23,7 @@ from torch.utils._pytree import register_dataclass
 
 import metadist as md
 from metadist import autograd as mag
-from metadist import transport
+from metadist import structure, transport
 from metadist.api import (
     remote_sync_call,
 )
@@ -338,7 +338,7 @@ def scale(x: torch.Tensor) -> torch.Tensor:
 
 
 def structures_cached() -> int:
-    return len(transport._STRUCTURES)
+    return len(structure._STRUCTURES)
 
 
 def model_info(model: nn.Module, x: torch.Tensor) -> tuple[int, bool, torch.Tensor, str]:
@@ -410,8 +410,8 @@ def module_structures_are_cached_per_worker(world_size: int) -> None:
     ]
     assert (n_modules, training) == (4, True)
     torch.testing.assert_close(out, model(inputs))
-    world = next(iter(transport._CONFIRMED))
-    assert len(transport._CONFIRMED[world]["worker1"]) == 1
+    world = next(iter(structure._CONFIRMED))
+    assert len(structure._CONFIRMED[world]["worker1"]) == 1
     model.eval()
     n_modules, training, out, _ = remote_sync_call(model_info, args=(model, inputs), partitioner=1)[
         0
