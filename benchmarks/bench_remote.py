@@ -31,11 +31,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import metadist
-from metadist import transport
+from metadist import structure, transport
 from metadist.api import remote_sync_call
 from metadist.network import free_loopback_port
 from metadist.reduce import sum_reducer
-from metadist.worker import run_partition
+from metadist.worker import CallerState, Request, run_partition
 
 WORLD_SIZE = 3
 
@@ -141,7 +141,7 @@ def _driver(calls: int, rounds: int) -> None:
     memo = transport.CallMemo()
     token = object()
     first = transport.encode((model, inputs), {}, world=token, worker="w", dtype=None, memo=memo)
-    transport.mark_structure_confirmed(token, "w", first[3])
+    structure.mark_structure_confirmed(token, "w", first[3])
     later = transport.encode((model, inputs), {}, world=token, worker="w", dtype=None, memo=memo)
     packed = transport.encode(
         (model, inputs),
@@ -151,14 +151,16 @@ def _driver(calls: int, rounds: int) -> None:
         dtype=torch.bfloat16,
         memo=transport.CallMemo(),
     )
-    structure = len(transport._PLANS[model].structure)
+    size = len(structure.plan_for(model, str)[0].structure)
 
     def sent(encoded: tuple[Any, ...]) -> int:
-        return _wire_bytes((run_partition, (echo, encoded[0], encoded[1], True, None), {}))
+        state = CallerState.here()
+        request = Request(echo, encoded[0], encoded[1], True, None, state, 1, False, False, ())
+        return _wire_bytes((run_partition, (request,), {}))
 
     print(f"\nbytes per call, model argument with {n_params:,} parameters (+ a 6 KiB input):")
     print(f"  module pickled whole (plain RPC)     {whole:>12,}  (parameters arrive detached)")
-    print(f"  metadist, first call to a worker    {sent(first):>12,}  (structure {structure:,} B)")
+    print(f"  metadist, first call to a worker    {sent(first):>12,}  (structure {size:,} B)")
     print(f"  metadist, structure cached          {sent(later):>12,}")
     print(f"  metadist, cached + bf16             {sent(packed):>12,}")
     pickled = len(pickle.dumps(model))

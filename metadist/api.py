@@ -381,10 +381,8 @@ class _Call:
     """The partitions of one remote call, and how to turn them into its result.
 
     Partitions whose worker is the caller itself run in-process, on the calling thread
-    (``local`` holds their outcomes); the others are RPC futures. Calls travel detached and
-    their gradients through :class:`metadist.autograd.Link`; inside a distributed autograd
-    context, a call with an RRef among its arguments travels attached instead, sent whole from
-    the calling thread, which alone holds the context.
+    (``local`` holds their outcomes); the others are RPC futures, their gradients linked by
+    :class:`metadist.autograd.Link`.
     """
 
     def __init__(  # noqa: PLR0917 - internal
@@ -413,7 +411,7 @@ class _Call:
         self.requests: dict[int, remote_worker.Request] = {}
         self.new_structures: list[tuple[str, ...]] = [()] * count
         self.state = remote_worker.CallerState.here()
-        self.in_context = autograd.torch_context_id() is not None
+        self.in_context = remote_worker.current_context_id() is not None
         self.world_token: object = None
         self.link: autograd.Link | None = None
         self.bar: Any = None
@@ -421,40 +419,6 @@ class _Call:
         self.lost: list[tuple[str, int]] = []  # partitions whose RPC failed: (worker, index)
         log = timeline.active()
         self.telemetry = _Telemetry(log, func_name) if log is not None else None
-
-    def encode(self, remote: list[int], dynamic: bool) -> None:
-        """Encode every partition that may travel before sending anything (bad input fails
-        with no RPC sent); note their arguments that require grad in the call's link."""
-        self.world_token = world.world_token()
-        # Only a call that hands RRefs to a partition inside a context needs torch's engine.
-        attached = self.in_context and any(_holds_rref(self.parts[i][1:]) for i in remote)
-        link = autograd.Link(self.world_token, self.compression, get_worker_id(self.own) << 40)
-        memo = transport.CallMemo()
-        for i in remote:
-            name, p_args, p_kwargs = self.parts[i]
-            e_args, e_kwargs, decode, self.new_structures[i], sources = transport.encode(
-                p_args,
-                p_kwargs,
-                world=self.world_token,
-                worker="" if dynamic else name,  # unknown yet: structures travel along
-                dtype=self.compression,
-                memo=memo,
-                attached=attached,
-            )
-            self.requests[i] = remote_worker.Request(
-                self.func,
-                e_args,
-                e_kwargs,
-                decode,
-                self.compression,
-                self.state,
-                -1 if attached else link.add(i, sources),
-                self.in_context,
-                self.telemetry is not None,
-                (),
-            )
-        if link.sources:
-            self.link = link
 
     def send(self, index: int, worker: str) -> None:
         """Send partition ``index`` to ``worker`` (encoded already)."""
@@ -559,23 +523,51 @@ class _Call:
             self.state.enter(stack)
             return self.reducer(PartitionResults(values, self.sizes))
 
-    def future(self) -> Future[Any]:
-        """A future completed (by the last partition's callback) with :meth:`collect`."""
-        result: Future[Any] = Future()
 
-        def finish(_: Future[Any]) -> None:
-            try:
-                value = self.collect()
-            except BaseException as error:
-                result.set_exception(error)
-            else:
-                result.set_result(value)
-
-        # collect_all completes once every future has, failed ones included (at once if none).
-        torch.futures.collect_all([f for f in self.futures if f is not None]).add_done_callback(
-            finish
+def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
+    """Encode every partition that may travel before sending anything (bad input fails with no
+    RPC sent), noting their arguments that require grad in the call's gradient link."""
+    call.world_token = world.world_token()
+    # Only a call that hands RRefs to a partition inside a context needs torch's engine.
+    attached = call.in_context and any(_holds_rref(call.parts[i][1:]) for i in remote)
+    link = autograd.Link(call.world_token, call.compression, get_worker_id(call.own) << 40)
+    memo = transport.CallMemo()
+    for i in remote:
+        name, p_args, p_kwargs = call.parts[i]
+        e_args, e_kwargs, decode, call.new_structures[i], sources = transport.encode(
+            p_args,
+            p_kwargs,
+            world=call.world_token,
+            worker="" if dynamic else name,  # unknown yet: structures travel along
+            dtype=call.compression,
+            memo=memo,
+            attached=attached,
         )
-        return result
+        key = -1 if attached else link.add(i, sources)
+        timed = call.telemetry is not None
+        call.requests[i] = remote_worker.Request(
+            call.func, e_args, e_kwargs, decode, call.compression, call.state, key,
+            call.in_context, timed, (),
+        )  # fmt: skip
+    if link.sources:
+        call.link = link
+
+
+def _future(call: _Call) -> Future[Any]:
+    """A future completed (by the last partition's callback) with ``call.collect()``."""
+    result: Future[Any] = Future()
+
+    def finish(_: Future[Any]) -> None:
+        try:
+            value = call.collect()
+        except BaseException as error:
+            result.set_exception(error)
+        else:
+            result.set_result(value)
+
+    # collect_all completes once every future has, failed ones included (at once if none).
+    torch.futures.collect_all([f for f in call.futures if f is not None]).add_done_callback(finish)
+    return result
 
 
 def _fresh_leaves(reply: remote_worker.Reply) -> Any:
@@ -641,7 +633,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     dynamic = sync and schedule == "dynamic" and len(parts) > 1
     remote = [i for i, (name, _, _) in enumerate(parts) if dynamic or name != own]
     if remote:
-        call.encode(remote, dynamic)
+        _encode(call, remote, dynamic)
     for i, (_, p_args, p_kwargs) in enumerate(parts):
         if i not in call.requests:  # runs in-process: the same checks as if it were sent
             transport.check_sendable(p_args, p_kwargs)
@@ -729,7 +721,7 @@ def remote_async_call(
     call = _start(
         func, args, kwargs, partitioner, reducer, timeout, compression, progress, sync=False
     )
-    return call.future()
+    return _future(call)
 
 
 def remote_sync_call(
@@ -878,7 +870,7 @@ def _parallelizer(
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
             # The wrapper is what pickles by name; workers run _ORIGINAL (see run_partition).
             call = _start(wrapper, args, kwargs, *options, sync=sync)
-            return call.collect() if sync else call.future()
+            return call.collect() if sync else _future(call)
 
         setattr(wrapper, _ORIGINAL, func)
         return wrapper

@@ -398,19 +398,6 @@ class Link:
 # Distributed autograd contexts
 
 
-def torch_context_id() -> int | None:
-    """The id of the distributed autograd context active on this thread, opened by anyone.
-
-    torch offers no public way to ask; ``_current_context`` is the private name metadist reads,
-    so that calls made inside a context the user opened with
-    ``torch.distributed.autograd.context()`` behave as in :func:`context`.
-    """
-    try:
-        return int(dist_autograd._current_context()._context_id())  # type: ignore[attr-defined]
-    except RuntimeError:
-        return None
-
-
 @contextlib.contextmanager
 def context() -> Iterator[int]:
     """Open a distributed autograd context; yields its id.

@@ -33,6 +33,7 @@ __all__ = [
     "CallerState",
     "Reply",
     "Request",
+    "current_context_id",
     "kept_graphs",
     "lend_main_thread",
     "run_partition",
@@ -276,7 +277,7 @@ def _watch_rpc() -> Iterator[None]:
     without one, inside a context of its own: either way torch records what the block sends
     and receives with tensors that require grad, which metadist's own gradient path would miss.
     """
-    context_id = _context_here()
+    context_id = current_context_id()
     with contextlib.ExitStack() as stack:
         if context_id is None:
             context_id = stack.enter_context(dist_autograd.context())
@@ -287,7 +288,9 @@ def _watch_rpc() -> Iterator[None]:
         raise RuntimeError(_UNSEEN_RPC)
 
 
-def _context_here() -> int | None:
+def current_context_id() -> int | None:
+    """The id of the distributed autograd context active on this thread, opened by anyone
+    (torch offers no public way to ask)."""
     try:
         return int(dist_autograd._current_context()._context_id())  # type: ignore[attr-defined]
     except RuntimeError:

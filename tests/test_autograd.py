@@ -1199,7 +1199,9 @@ def results_behave_as_local_ones(world_size: int) -> None:
     for remote in (True, False):
         w = torch.ones(3, requires_grad=True)
 
-        def call(f: Callable[..., torch.Tensor], remote: bool = remote) -> torch.Tensor:
+        def call(
+            f: Callable[..., torch.Tensor], w: torch.Tensor = w, remote: bool = remote
+        ) -> torch.Tensor:
             return md.remote_sync_call(f, args=(w,), partitioner=1)[0] if remote else f(w)
 
         r = call(times_two)

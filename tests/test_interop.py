@@ -58,15 +58,30 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator))] * 3
 
 
-def _train_remote(optimizer_module: Any, optimizer_class: type, **hparams: Any) -> list[Any]:
-    """The tutorial's training loop; only ``optimizer_module`` changes between runs."""
+def _rpc_forward(layer: rpc.RRef[nn.Linear], x: torch.Tensor) -> torch.Tensor:
+    return rpc.rpc_sync(layer.owner(), _layer_forward, args=(layer, x))
+
+
+def _metadist_forward(layer: rpc.RRef[nn.Linear], x: torch.Tensor) -> torch.Tensor:
+    # An RRef among the arguments: the call travels attached to the context.
+    return metadist.remote_sync_call(
+        _layer_forward, args=(layer, x), partitioner=layer.owner().name
+    )[0]
+
+
+def _train_remote(
+    optimizer_module: Any,
+    optimizer_class: type,
+    forward: Callable[..., torch.Tensor] = _rpc_forward,
+    **hparams: Any,
+) -> list[Any]:
+    """The tutorial's training loop; only ``optimizer_module`` and ``forward`` change."""
     layers = [rpc.remote(owner, _make_layer, args=(seed,)) for seed, owner in enumerate(NAMES[1:])]
     params = [p for layer in layers for p in rpc.rpc_sync(layer.owner(), _layer_params, (layer,))]
     opt = optimizer_module.DistributedOptimizer(optimizer_class, params, **hparams)
     for x, y in _batches():
         with dist_autograd.context() as context_id:
-            hidden = rpc.rpc_sync(layers[0].owner(), _layer_forward, args=(layers[0], x))
-            out = rpc.rpc_sync(layers[1].owner(), _layer_forward, args=(layers[1], hidden))
+            out = forward(layers[1], forward(layers[0], x))
             loss = ((out - y) ** 2).mean()
             dist_autograd.backward(context_id, [loss])
             opt.step(context_id)
@@ -166,8 +181,30 @@ def remote_calls_and_autograd(world_size: int) -> None:
     assert [t.item() for t in on_b] == [3.0]
 
 
+def _own_rpc(x: torch.Tensor) -> torch.Tensor:
+    return rpc.rpc_sync("ps_b", _square_sum, args=(x,))
+
+
+def rref_calls_attached_and_hidden_rpc_refused(world_size: int) -> None:
+    import metadist.optim as metadist_optim
+
+    _, theirs = _train_remote(metadist_optim, torch.optim.SGD, lr=0.1)
+    _, ours = _train_remote(metadist_optim, torch.optim.SGD, _metadist_forward, lr=0.1)
+    _assert_same(ours, theirs, "metadist calls with RRef arguments vs torch's rpc_sync")
+    # A partition's own RPC with tensors that require grad, in a call that travels detached:
+    # its gradients would be lost, so the call is refused, naming the fix.
+    x = torch.ones(3, requires_grad=True)
+    with metadist.autograd.context(), pytest.raises(RuntimeError, match="Pass the RRef"):
+        metadist.remote_sync_call(_own_rpc, args=(x,), partitioner="ps_a")
+    # Outside a context torch records nothing either: the same as its own RPC there.
+    (y,) = metadist.remote_sync_call(_own_rpc, args=(x,), partitioner="ps_a")
+    assert y.item() == 3.0
+    assert not y.requires_grad
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     world_info_is_the_users,
+    rref_calls_attached_and_hidden_rpc_refused,
     distributed_optimizer_equals_torch_and_local,
     optimizer_state_dict_and_clipping,
     remote_calls_and_autograd,
