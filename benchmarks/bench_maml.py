@@ -8,7 +8,9 @@ is forward, backward and the Adam meta-step; the median over ``--repeats`` steps
 * (a)  one process looping over the tasks, 1 thread; (a2) the same with all cores;
 * (b)  one process, ``torch.func.vmap`` over the tasks, 1 thread; (b2) all cores;
 * (c)  metadist, ``@parallelize`` over the task dimension, W workers under torchrun
-       (W = 2, plus 4 and 8 where the machine has that many cores);
+       (W = 2, plus 4 and 8 where the machine has that many cores), ``loss.backward()``;
+* (k)  the same on 2 workers in the torchopt form: ``metadist.autograd.context()`` and
+       ``metadist.autograd.backward`` (ran in the same run as (c), for the ratio of the forms);
 * (d)  ``torchopt.distributed`` 0.7.3 on 2 workers, written the way its docs and distributed
        MAML example do it: ``RRef(module_clone(net, by='copy'))`` and one task per call. It is
        imported from ``.bench-deps/torchopt`` (never installed into the project environment)::
@@ -166,13 +168,23 @@ def role_metadist(args: argparse.Namespace) -> None:
         # Reference meta-gradient of (a), then metadist's, at the same initial parameters.
         reference = reference_meta_grad(net, b)
 
+        context_form = os.environ.get("BENCH_MAML_FORM") == "context"
+
+        def backward() -> None:
+            if not context_form:
+                meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry).backward()
+                return
+            with metadist.autograd.context() as ctx:
+                loss = meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry)
+                metadist.autograd.backward(ctx, [loss])
+
         def step() -> None:
             opt.zero_grad()
-            meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry).backward()
+            backward()
             opt.step()
 
         opt.zero_grad()
-        meta_loss(net, b.x_spt, b.y_spt, b.x_qry, b.y_qry).backward()
+        backward()
         got = flat_grad(net)
         rel = ((got - reference).norm() / reference.norm()).item()
         times = time_steps(step, args.repeats, args.warmup)
@@ -316,7 +328,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=15, help="timed outer steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed outer steps first")
-    p.add_argument("--variants", default="a,a2,b,b2,c,e,d,d1", help="comma-separated subset")
+    p.add_argument("--variants", default="a,a2,b,b2,c,k,e,d,d1", help="comma-separated subset")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun world")
     p.add_argument("--role", choices=("metadist", "torchopt", "spmd"), help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -361,6 +373,13 @@ def main() -> None:
             med[f"c{w}"] = statistics.median(times)
             rel_errs[f"c{w}"] = float(res["grad_rel_err"])  # type: ignore[arg-type]
             print(f"(c  ) metadist, {w} workers{'':<17} {fmt(times)}", flush=True)
+    if "k" in variants:
+        res = run_world("metadist", 2, args, {"BENCH_MAML_FORM": "context"})
+        if res is not None:
+            times = list(res["times"])  # type: ignore[call-overload]
+            med["k"] = statistics.median(times)
+            rel_errs["k"] = float(res["grad_rel_err"])  # type: ignore[arg-type]
+            print(f"(k  ) metadist, 2 workers, context form   {fmt(times)}", flush=True)
     if "e" in variants:
         res = run_world("spmd", 2, args)
         if res is not None:
@@ -414,6 +433,12 @@ def main() -> None:
                     f"torchopt W=2 ({key}): parallel efficiency time(a)/(2 x time({key}))", end=""
                 )
                 print(f" = {eff:.2f}")
+    if "c2" in med and "k" in med:
+        eff = f"{med['a'] / (2 * med['k']):.2f}" if "a" in med else "n/a"
+        print(
+            f"context form (k): time(k) / time(c) = {med['k'] / med['c2']:.3f}  (target <= 1.03),"
+            f" parallel efficiency {eff}  (target >= 0.90)"
+        )
     if "c2" in med and "e" in med:
         eff = med["a"] / (2 * med["e"]) if "a" in med else float("nan")
         print(

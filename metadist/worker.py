@@ -94,15 +94,10 @@ class Request(NamedTuple):
 
 
 class Reply(NamedTuple):
-    """A partition's result on the wire, worker to caller.
-
-    ``value`` is the result with its tensors detached (and wired: see :mod:`metadist.transport`
-    when ``wired``); ``outputs`` are the flat indices (in the result's pytree) of the tensors
-    that required grad. ``kept``: their graph reaches leaves of the caller's and is kept under
-    the request's key; otherwise they are fresh leaves, as a leaf made inside a local call
-    would be. ``written`` holds the ``.grad`` the function left on those leaves (by position in
-    the request's leaves), which the caller adds to its own tensors' ``.grad``.
-    """
+    """A partition's result on the wire, worker to caller: the result detached (its tensors
+    wired where ``wired``), the flat indices of those that required grad (``outputs``), whether
+    their graph is kept under the request's key (else they are fresh leaves, as locally), and
+    the ``.grad`` the function left on the leaves, by position (``written``)."""
 
     value: Any
     outputs: tuple[int, ...]
@@ -363,19 +358,11 @@ def _vjp(
     create_graph: bool,
     compression: torch.dtype | None,
 ) -> Any:
-    """Answer one gradient request: the gradients of the kept graphs' leaves.
-
-    ``requests`` holds, per graph, its key, the gradient of each output (``None`` where the
-    caller's backward pass did not reach it) and, with ``create_graph``, the key to keep the
-    answer's own graph under (its leaves: the graph's leaves, then the received gradients).
-    ``retain`` is the caller's ``retain_graph``: without it, what the pass went through is
-    freed, as in a local pass.
-
-    Returns:
-        Per graph, ``(gradients, outputs)``: the gradient of each leaf (``None`` where the
-        outputs do not depend on it) and, with ``create_graph``, the indices of those whose
-        graph was kept; or a ``RemoteFailure``.
-    """
+    """Answer one gradient request: per kept graph (its key, each output's gradient or
+    ``None``, and with ``create_graph`` the key for the answer's own graph, whose leaves are the
+    graph's leaves then the received gradients), the gradient of each leaf and the indices of
+    those whose graph was kept; or a ``RemoteFailure``. ``retain`` is the caller's
+    ``retain_graph``: without it, what the pass went through is freed, as in a local pass."""
     world.use_process_threads()
     me = rpc.get_worker_info().name
     try:
