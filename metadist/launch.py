@@ -267,7 +267,13 @@ SLURM_PORT_BASE = 15000
 _SLURM_PORT_SPAN = 15000
 
 
-def _bracket_items(group: str) -> list[str]:
+def _expand_host(pattern: str) -> list[str]:
+    head, bracket, rest = pattern.partition("[")
+    if not bracket:
+        return [pattern]
+    group, closed, tail = rest.partition("]")
+    if not closed:
+        raise ValueError("'[' without ']'")
     items = []
     for piece in group.split(","):
         low, dash, high = piece.partition("-")
@@ -277,17 +283,7 @@ def _bracket_items(group: str) -> list[str]:
             raise ValueError(f"the range {piece!r} in [{group}] runs backwards")
         # SLURM keeps the zero padding of the lower bound: 08-10 is 08, 09, 10.
         items += [f"{n:0{len(low)}d}" for n in range(int(low), int(high or low) + 1)]
-    return items
-
-
-def _expand_host(pattern: str) -> list[str]:
-    head, bracket, rest = pattern.partition("[")
-    if not bracket:
-        return [pattern]
-    group, closed, tail = rest.partition("]")
-    if not closed:
-        raise ValueError("'[' without ']'")
-    return [head + item + end for item in _bracket_items(group) for end in _expand_host(tail)]
+    return [head + item + end for item in items for end in _expand_host(tail)]
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -407,12 +403,9 @@ def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) 
         return
     why = "set by TP_SOCKET_IFNAME" if user else f"chosen to reach MASTER_ADDR={master_addr}"
     logger.warning(
-        "metadist: worker %d listens for RPC on interface %s (%s), %s; RPC is "
-        "unauthenticated: run only on trusted networks",
-        info.world_rank,
-        ifname,
-        address or "no IPv4 address",
-        why,
+        f"metadist: worker {info.world_rank} listens for RPC on interface {ifname} "
+        f"({address or 'no IPv4 address'}), {why}; RPC is unauthenticated: run only on trusted "
+        f"networks"
     )
 
 
@@ -553,9 +546,7 @@ def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
             continue
         finished = world.arrived_members(_DONE)
         waiting_for = [
-            rank
-            for rank in range(info.world_size)
-            if rank != 0 and rank not in finished and names[rank] not in dead
+            r for r in range(1, info.world_size) if not (r in finished or names[r] in dead)
         ]
         dead.update(_unreachable(waiting_for, timeout=max(poll, 5.0)))
         live_waiting = [rank for rank in waiting_for if names[rank] not in dead]
