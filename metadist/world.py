@@ -175,11 +175,8 @@ def _adopted_runtime() -> _Runtime | None:
             env = read_launch_environment()
             if "LOCAL_RANK" in os.environ and env.info[:2] == (rank, size):
                 info = env.info
-        runtime = _Runtime(
-            info,
-            float(rpc.get_rpc_timeout()),  # type: ignore[attr-defined]
-            tuple(worker.name for worker in workers),
-        )
+        timeout = float(rpc.get_rpc_timeout())  # type: ignore[attr-defined]
+        runtime = _Runtime(info, timeout, tuple(worker.name for worker in workers))
         with _PENDING_LOCK:
             _PENDING.clear()  # rendezvous of a world that is gone
         _ADOPTED = (agent, runtime)
