@@ -37,15 +37,13 @@ class Partitions(list[Partition]):
 
     Args:
         items: The ``(worker_id, args, kwargs)`` triples, in partition order.
-        sizes: Number of batch items in each partition, or ``None`` when unknown.
-        schedule: ``"static"``: each partition runs on its worker; ``"dynamic"``: a
-            synchronous call hands each partition to whichever of the listed workers frees up
-            first (the worker ids are then only the set of workers to use).
 
     Attributes:
         sizes: Number of batch items in each partition (partition order), or ``None`` when
             unknown. :func:`metadist.mean_reducer` uses it to weight partition results.
-        schedule: ``"static"`` or ``"dynamic"``.
+        schedule: ``"static"``: each partition runs on its worker; ``"dynamic"``: a
+            synchronous call hands each partition to whichever of the listed workers frees up
+            first (the worker ids are then only the set of workers to use).
 
     Example:
         >>> parts = Partitions([(0, (), {}), (1, (), {})], sizes=(3, 2))
@@ -73,17 +71,8 @@ def _check_schedule(schedule: Any, owner: str) -> str:
 def split_sizes(n: int, k: int) -> list[int]:
     """Split ``n`` items into ``min(n, k)`` contiguous chunks whose sizes differ by at most 1.
 
-    Larger chunks come first. TorchOpt puts the whole remainder on the last worker instead.
-
-    Args:
-        n: Number of items (``>= 1``).
-        k: Number of workers (``>= 1``).
-
-    Returns:
-        The chunk sizes; they sum to ``n`` and none is 0.
-
-    Raises:
-        ValueError: ``n`` or ``k`` is smaller than 1.
+    Larger chunks come first (TorchOpt puts the whole remainder on the last worker instead);
+    ``ValueError`` if ``n`` or ``k`` is smaller than 1.
 
     Example:
         >>> split_sizes(10, 4)
@@ -115,10 +104,9 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
             item goes to the next worker that frees up; needs ``exclusive=True``).
 
     Raises:
-        TypeError: ``dim`` is not an int, ``exclusive``/``keepdim`` not bools, or ``workers`` not
-            a sequence of ranks or names.
-        ValueError: ``keepdim=False`` without ``exclusive=True``, an empty ``workers``, or a
-            dynamic schedule without ``exclusive=True``.
+        TypeError: An argument has the wrong type.
+        ValueError: ``keepdim=False`` or ``schedule="dynamic"`` without ``exclusive=True``, or
+            an empty ``workers``.
 
     Example:
         >>> import torch
