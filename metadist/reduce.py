@@ -17,13 +17,7 @@ import torch
 
 from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-__all__ = [
-    "PartitionResults",
-    "cat_reducer",
-    "mean_reducer",
-    "stack_reducer",
-    "sum_reducer",
-]
+__all__ = ["PartitionResults", "cat_reducer", "mean_reducer", "stack_reducer", "sum_reducer"]
 
 
 class PartitionResults(list[Any]):
@@ -31,10 +25,9 @@ class PartitionResults(list[Any]):
 
     Args:
         items: The per-partition results, in partition order.
-        sizes: Batch items in each partition, or ``None`` when unknown.
 
     Attributes:
-        sizes: Batch items per partition (partition order), or ``None``.
+        sizes: Batch items per partition (partition order), or ``None`` when unknown.
 
     Raises:
         TypeError: ``sizes`` is not a sequence of ints.
@@ -55,8 +48,7 @@ class PartitionResults(list[Any]):
 
 
 def check_sizes(sizes: Any, count: int, name: str, noun: str = "result") -> tuple[int, ...]:
-    """``sizes`` as a tuple of ``count`` positive ints (numpy ints are fine); the ``TypeError``
-    or ``ValueError`` otherwise calls them ``name`` and says what each counts (``noun``).
+    """``sizes`` as a tuple of ``count`` positive ints, else an error naming them ``name``.
 
     Wrong sizes would silently skew a size-weighted mean, so they are refused where they enter:
     here, for both :class:`PartitionResults` and a partitioner's ``Partitions.sizes``.
