@@ -66,11 +66,6 @@ class RemoteError(RuntimeError):
         partition_index: Index of the failed partition (partition order).
         remote_type: ``module.qualname`` of the remote exception's type.
         remote_traceback: The formatted traceback captured on the worker.
-
-    Example:
-        >>> err = RemoteError("boom", worker_name="worker1", partition_index=0)
-        >>> err.worker_name, err.partition_index
-        ('worker1', 0)
     """
 
     def __init__(

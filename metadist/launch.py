@@ -241,10 +241,6 @@ def read_launch_environment() -> LaunchEnvironment:
     First match wins: torchrun's ``WORLD_SIZE`` (with ``RANK``, ``LOCAL_*``), Open MPI's
     ``OMPI_COMM_WORLD_SIZE`` (set only for the processes ``mpirun`` starts, so it wins over the
     SLURM allocation it may run in), ``srun``'s ``SLURM_PROCID`` and ``SLURM_NTASKS``, else 1.
-
-    Example:
-        >>> read_launch_environment().launcher in ("torchrun", "mpirun", "srun", "python")
-        True
     """
     if "WORLD_SIZE" in os.environ:
         return LaunchEnvironment("torchrun", _torchrun_info())

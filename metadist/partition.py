@@ -107,13 +107,6 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         TypeError: An argument has the wrong type.
         ValueError: ``keepdim=False`` or ``schedule="dynamic"`` without ``exclusive=True``, or
             an empty ``workers``.
-
-    Example:
-        >>> import torch
-        >>> part = DimPartitioner(0)
-        >>> parts = part.split((torch.arange(5),), {}, worker_ids=[0, 1])
-        >>> [(wid, args[0].tolist()) for wid, args, _ in parts]
-        [(0, [0, 1, 2]), (1, [3, 4])]
     """
 
     dim: int = 0
