@@ -1,9 +1,8 @@
 """Partitioners: split the arguments of a remote call into per-worker pieces.
 
 A partitioner is called like the remote function, ``partitioner(*args, **kwargs)``, and returns a
-list of ``(worker_id, args, kwargs)`` triples, one per partition. The partitioners here return a
-:class:`Partitions` list that also records how many batch items each partition holds, so that
-:func:`metadist.mean_reducer` can weight partition results by their size.
+list of ``(worker_id, args, kwargs)`` triples, one per partition: here a :class:`Partitions`,
+which also holds the batch size of each partition for :func:`metadist.mean_reducer`.
 """
 
 from __future__ import annotations

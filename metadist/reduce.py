@@ -1,10 +1,8 @@
 """Reducers: combine the per-partition results of a remote call into one value.
 
 A reducer is any callable ``reducer(results) -> value`` taking the list of partition results in
-partition order. The list metadist passes is a :class:`PartitionResults`, a ``list`` whose
-``sizes`` attribute holds the batch size of each partition when the partitioner knows it; the
-reducers here are pytree-aware: a task returning ``(loss, accuracy)`` or a dict is reduced leaf
-by leaf.
+partition order (a :class:`PartitionResults`, with the partition sizes when known). The reducers
+here are pytree-aware: a task returning ``(loss, accuracy)`` or a dict is reduced leaf by leaf.
 """
 
 from __future__ import annotations
