@@ -412,13 +412,11 @@ _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
 
 def _limit_malloc_arenas() -> None:
-    """Make RPC's handler threads allocate from glibc's main arena.
-
-    glibc gives each new thread its own arena, which hands freed memory back to the kernel and
-    faults it in again on the next call: a 4-task MAML forward took ~800 ms on an RPC thread
-    (600 ms in the kernel) against 175 ms with one arena. A user-set ``MALLOC_ARENA_MAX`` wins;
-    ``METADIST_MALLOC_ARENA_MAX`` (``0``: leave glibc alone) sets the count.
-    """
+    """Make RPC's handler threads allocate from glibc's main arena: glibc gives each new thread
+    its own arena, which hands freed memory back to the kernel and faults it in again on the next
+    call (a 4-task MAML forward took ~800 ms on an RPC thread, 600 ms in the kernel, against
+    175 ms with one arena). A user-set ``MALLOC_ARENA_MAX`` wins; ``METADIST_MALLOC_ARENA_MAX``
+    (``0``: leave glibc alone) sets the count."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return
     raw = os.environ.get("METADIST_MALLOC_ARENA_MAX", "1")
@@ -592,11 +590,9 @@ def _bounded_shutdown(grace: float, *, graceful: bool) -> bool:
 
 
 def _abort() -> None:
-    """Ctrl-C (torchrun forwards SIGINT to every worker): tear RPC down locally, now.
-
-    Peers still waiting on this worker see it as dead and stop too. A shutdown already running
-    (Ctrl-C during the graceful one) is given the time instead of starting a second one.
-    """
+    """Ctrl-C (torchrun forwards SIGINT to every worker): tear RPC down locally, now; peers still
+    waiting on this worker see it as dead and stop too. A shutdown already running (Ctrl-C
+    during the graceful one) is given the time instead of starting a second one."""
     world.leave_world()
     deadline = time.monotonic() + ABORT_GRACE
     if not any(thread.is_alive() for thread in _SHUTDOWN_THREAD):
