@@ -288,9 +288,7 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         if not self.exclusive:
             # One worker gets the batch itself (a world of 1 then runs on the caller's tensors).
             return [tensor] if len(sizes) == 1 else tensor.split(sizes, dim)
-        if self.keepdim:
-            return tensor.split(1, dim)
-        return tensor.unbind(dim)
+        return tensor.split(1, dim) if self.keepdim else tensor.unbind(dim)
 
 
 def dim_partitioner(
