@@ -374,8 +374,7 @@ def _listener_and_rendezvous(
             )
         except ValueError:
             # Interfaces the user chose are used as given: no need for metadist's own choice.
-            user = network.user_binding()
-            if user is None:
+            if (user := network.user_binding()) is None:
                 raise
             binding = user
     _log_interface(info, binding, master_addr)
@@ -489,7 +488,6 @@ def _run_in_world(
 
 # Every worker announces at rank 0 that its job is done, under this rendezvous key.
 _DONE = ("<done>",)
-
 
 ABORT_GRACE = 2.0  # seconds a Ctrl-C'd worker gives its local RPC teardown
 
