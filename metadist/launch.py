@@ -131,7 +131,6 @@ def auto_init_rpc(
     return decorator
 
 
-# --------------------------------------------------------------------------------------------------
 # The launcher's environment, read each time it is asked for (never cached at import)
 
 
@@ -253,7 +252,6 @@ def read_launch_environment() -> LaunchEnvironment:
     return LaunchEnvironment("python", _torchrun_info())
 
 
-# --------------------------------------------------------------------------------------------------
 # Where the workers meet: rank 0's address and port, per launcher
 
 #: ``srun`` jobs without ``MASTER_PORT`` rendezvous on port ``SLURM_PORT_BASE + SLURM_JOB_ID %
@@ -404,7 +402,6 @@ def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) 
     )
 
 
-# --------------------------------------------------------------------------------------------------
 # Process tuning for RPC's handler threads
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
@@ -483,7 +480,6 @@ def _run_in_world(
     return result
 
 
-# --------------------------------------------------------------------------------------------------
 # Shutdown liveness: tell a worker that finished its job from one that died.
 
 # Every worker announces at rank 0 that its job is done, under this rendezvous key.

@@ -164,7 +164,6 @@ def free_loopback_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# --------------------------------------------------------------------------------------------------
 # Rendezvous handlers: torch's env:// and tcp:// stores listen on every interface.
 
 

@@ -115,7 +115,6 @@ def default_worker_name_format(
     return f"worker{world_rank:0{len(str(world_size))}d}"
 
 
-# --------------------------------------------------------------------------------------------------
 # The running world
 
 
@@ -232,7 +231,6 @@ def require_rpc(api_name: str) -> None:
     _runtime(api_name)
 
 
-# --------------------------------------------------------------------------------------------------
 # Who am I, who are the others
 
 
@@ -364,7 +362,6 @@ def _known_workers(world_size: int) -> str:
     return f"known worker ranks are 0..{world_size - 1}"
 
 
-# --------------------------------------------------------------------------------------------------
 # Waiting for the others: rendezvous at a coordinator worker, over public RPC APIs only.
 #
 # Every member sends (key, member, value) to the coordinator; the coordinator's handler returns a
@@ -505,7 +502,6 @@ def use_process_threads() -> None:
         torch.set_num_threads(torch.get_num_threads())
 
 
-# --------------------------------------------------------------------------------------------------
 # Rank selectors: the rank is checked at call time, so they can decorate at import. A rank beyond
 # the world never matches, so a script written for N workers runs unchanged in a world of 1.
 
