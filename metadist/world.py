@@ -521,9 +521,7 @@ def _selector(
 
         @functools.wraps(func)
         def wrapped(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            if (get_world_rank() in ranks) == run_on_listed:
-                return func(*args, **kwargs)
-            return None
+            return func(*args, **kwargs) if (get_world_rank() in ranks) == run_on_listed else None
 
         return wrapped
 
