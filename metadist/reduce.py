@@ -117,10 +117,9 @@ def mean_reducer(results: Sequence[Any]) -> Any:
     """Average partition results leaf by leaf, weighted by partition size when known.
 
     With :func:`metadist.dim_partitioner` the partitions record their sizes, so the mean of
-    per-partition means over an unevenly split batch equals the full-batch mean (TorchOpt
-    averages the partition means unweighted, which biases toward the smaller partitions). A
-    plain list, or equal sizes, gives the unweighted mean. Integer tensors are averaged in the
-    default float dtype.
+    per-partition means over an unevenly split batch equals the full-batch mean (TorchOpt averages
+    the partition means unweighted, which biases toward the smaller partitions). A plain list, or
+    equal sizes, gives the unweighted mean. Integer tensors are averaged in the default float dtype.
 
     Args:
         results: Partition results (all with the same pytree structure).
