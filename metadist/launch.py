@@ -395,11 +395,12 @@ def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) 
     if address is not None and ipaddress.ip_address(address).is_loopback:
         return
     why = "set by TP_SOCKET_IFNAME" if user else f"chosen to reach MASTER_ADDR={master_addr}"
-    logger.warning(
-        f"metadist: worker {info.world_rank} listens for RPC on interface {ifname} "
+    message = (
+        f"worker {info.world_rank} listens for RPC on interface {ifname} "
         f"({address or 'no IPv4 address'}), {why}; RPC is unauthenticated: run only on trusted "
-        f"networks"
+        "networks"
     )
+    logger.warning("metadist: %s", message)
 
 
 # Process tuning for RPC's handler threads
