@@ -58,22 +58,14 @@ class RemoteError(RuntimeError):
     attributes below and its message names the worker, the partition and the remote traceback.
 
     Args:
-        message: The error message (metadist's include the remote traceback).
-        worker_name: Name of the worker the partition ran on.
-        partition_index: Index of the failed partition.
-        remote_type: ``module.qualname`` of the remote exception's type.
-        remote_traceback: The formatted traceback captured on the worker.
+        message: The error message (metadist's include the remote traceback); the keyword
+            arguments set the attributes of the same names.
 
     Attributes:
         worker_name: Name of the worker the partition ran on.
         partition_index: Index of the failed partition (partition order).
         remote_type: ``module.qualname`` of the remote exception's type.
         remote_traceback: The formatted traceback captured on the worker.
-
-    Example:
-        >>> err = RemoteError("boom", worker_name="worker1", partition_index=0)
-        >>> err.worker_name, err.partition_index
-        ('worker1', 0)
     """
 
     def __init__(
@@ -112,14 +104,8 @@ class RemoteFailure:
     @classmethod
     def capture(cls, error: BaseException, worker: str, stage: str) -> RemoteFailure:
         """Record ``error`` (raised on ``worker`` while in ``stage``) with its traceback."""
-        return cls(
-            type(error).__module__,
-            type(error).__qualname__,
-            str(error),
-            "".join(traceback.format_exception(error)),
-            worker,
-            stage,
-        )
+        kind, trace = type(error), "".join(traceback.format_exception(error))
+        return cls(kind.__module__, kind.__qualname__, str(error), trace, worker, stage)
 
     def to_exception(self, index: int, count: int, func_name: str) -> BaseException:
         """The exception to raise on the caller for partition ``index`` of ``count``."""

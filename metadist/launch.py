@@ -131,7 +131,6 @@ def auto_init_rpc(
     return decorator
 
 
-# --------------------------------------------------------------------------------------------------
 # The launcher's environment, read each time it is asked for (never cached at import)
 
 
@@ -241,10 +240,6 @@ def read_launch_environment() -> LaunchEnvironment:
     First match wins: torchrun's ``WORLD_SIZE`` (with ``RANK``, ``LOCAL_*``), Open MPI's
     ``OMPI_COMM_WORLD_SIZE`` (set only for the processes ``mpirun`` starts, so it wins over the
     SLURM allocation it may run in), ``srun``'s ``SLURM_PROCID`` and ``SLURM_NTASKS``, else 1.
-
-    Example:
-        >>> read_launch_environment().launcher in ("torchrun", "mpirun", "srun", "python")
-        True
     """
     if "WORLD_SIZE" in os.environ:
         return LaunchEnvironment("torchrun", _torchrun_info())
@@ -257,7 +252,6 @@ def read_launch_environment() -> LaunchEnvironment:
     return LaunchEnvironment("python", _torchrun_info())
 
 
-# --------------------------------------------------------------------------------------------------
 # Where the workers meet: rank 0's address and port, per launcher
 
 #: ``srun`` jobs without ``MASTER_PORT`` rendezvous on port ``SLURM_PORT_BASE + SLURM_JOB_ID %
@@ -267,7 +261,13 @@ SLURM_PORT_BASE = 15000
 _SLURM_PORT_SPAN = 15000
 
 
-def _bracket_items(group: str) -> list[str]:
+def _expand_host(pattern: str) -> list[str]:
+    head, bracket, rest = pattern.partition("[")
+    if not bracket:
+        return [pattern]
+    group, closed, tail = rest.partition("]")
+    if not closed:
+        raise ValueError("'[' without ']'")
     items = []
     for piece in group.split(","):
         low, dash, high = piece.partition("-")
@@ -277,17 +277,7 @@ def _bracket_items(group: str) -> list[str]:
             raise ValueError(f"the range {piece!r} in [{group}] runs backwards")
         # SLURM keeps the zero padding of the lower bound: 08-10 is 08, 09, 10.
         items += [f"{n:0{len(low)}d}" for n in range(int(low), int(high or low) + 1)]
-    return items
-
-
-def _expand_host(pattern: str) -> list[str]:
-    head, bracket, rest = pattern.partition("[")
-    if not bracket:
-        return [pattern]
-    group, closed, tail = rest.partition("]")
-    if not closed:
-        raise ValueError("'[' without ']'")
-    return [head + item + end for item in _bracket_items(group) for end in _expand_host(tail)]
+    return [head + item + end for item in items for end in _expand_host(tail)]
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -382,8 +372,7 @@ def _listener_and_rendezvous(
             )
         except ValueError:
             # Interfaces the user chose are used as given: no need for metadist's own choice.
-            user = network.user_binding()
-            if user is None:
+            if (user := network.user_binding()) is None:
                 raise
             binding = user
     _log_interface(info, binding, master_addr)
@@ -406,30 +395,25 @@ def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) 
     if address is not None and ipaddress.ip_address(address).is_loopback:
         return
     why = "set by TP_SOCKET_IFNAME" if user else f"chosen to reach MASTER_ADDR={master_addr}"
-    logger.warning(
-        "metadist: worker %d listens for RPC on interface %s (%s), %s; RPC is "
-        "unauthenticated: run only on trusted networks",
-        info.world_rank,
-        ifname,
-        address or "no IPv4 address",
-        why,
+    message = (
+        f"worker {info.world_rank} listens for RPC on interface {ifname} "
+        f"({address or 'no IPv4 address'}), {why}; RPC is unauthenticated: run only on trusted "
+        "networks"
     )
+    logger.warning("metadist: %s", message)
 
 
-# --------------------------------------------------------------------------------------------------
 # Process tuning for RPC's handler threads
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
 
 def _limit_malloc_arenas() -> None:
-    """Make RPC's handler threads allocate from glibc's main arena.
-
-    glibc gives each new thread its own arena, which hands freed memory back to the kernel and
-    faults it in again on the next call: a 4-task MAML forward took ~800 ms on an RPC thread
-    (600 ms in the kernel) against 175 ms with one arena. A user-set ``MALLOC_ARENA_MAX`` wins;
-    ``METADIST_MALLOC_ARENA_MAX`` (``0``: leave glibc alone) sets the count.
-    """
+    """Make RPC's handler threads allocate from glibc's main arena: glibc gives each new thread
+    its own arena, which hands freed memory back to the kernel and faults it in again on the next
+    call (a 4-task MAML forward took ~800 ms on an RPC thread, 600 ms in the kernel, against
+    175 ms with one arena). A user-set ``MALLOC_ARENA_MAX`` wins; ``METADIST_MALLOC_ARENA_MAX``
+    (``0``: leave glibc alone) sets the count."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return
     raw = os.environ.get("METADIST_MALLOC_ARENA_MAX", "1")
@@ -497,16 +481,10 @@ def _run_in_world(
     return result
 
 
-# --------------------------------------------------------------------------------------------------
 # Shutdown liveness: tell a worker that finished its job from one that died.
 
 # Every worker announces at rank 0 that its job is done, under this rendezvous key.
 _DONE = ("<done>",)
-
-
-def _ping() -> bool:
-    return True
-
 
 ABORT_GRACE = 2.0  # seconds a Ctrl-C'd worker gives its local RPC teardown
 
@@ -553,9 +531,7 @@ def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
             continue
         finished = world.arrived_members(_DONE)
         waiting_for = [
-            rank
-            for rank in range(info.world_size)
-            if rank != 0 and rank not in finished and names[rank] not in dead
+            r for r in range(1, info.world_size) if not (r in finished or names[r] in dead)
         ]
         dead.update(_unreachable(waiting_for, timeout=max(poll, 5.0)))
         live_waiting = [rank for rank in waiting_for if names[rank] not in dead]
@@ -573,7 +549,7 @@ def _unreachable(ranks: list[int], timeout: float) -> list[str]:
     gone = []
     for rank in ranks:
         try:
-            rpc.rpc_sync(rank, _ping, timeout=timeout)
+            rpc.rpc_sync(rank, os.getpid, timeout=timeout)  # any answer will do
         except RuntimeError as error:
             if not is_timeout(error):
                 gone.append(names[rank])
@@ -609,11 +585,9 @@ def _bounded_shutdown(grace: float, *, graceful: bool) -> bool:
 
 
 def _abort() -> None:
-    """Ctrl-C (torchrun forwards SIGINT to every worker): tear RPC down locally, now.
-
-    Peers still waiting on this worker see it as dead and stop too. A shutdown already running
-    (Ctrl-C during the graceful one) is given the time instead of starting a second one.
-    """
+    """Ctrl-C (torchrun forwards SIGINT to every worker): tear RPC down locally, now; peers still
+    waiting on this worker see it as dead and stop too. A shutdown already running (Ctrl-C
+    during the graceful one) is given the time instead of starting a second one."""
     world.leave_world()
     deadline = time.monotonic() + ABORT_GRACE
     if not any(thread.is_alive() for thread in _SHUTDOWN_THREAD):

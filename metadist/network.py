@@ -64,12 +64,7 @@ def _resolve(host: str) -> str:
 
 
 def ipv4_of(ifname: str) -> str | None:
-    """The IPv4 address of interface ``ifname``, or ``None`` if it has none (or does not exist).
-
-    Example:
-        >>> ipv4_of("lo")
-        '127.0.0.1'
-    """
+    """The IPv4 address of interface ``ifname``, or ``None`` if it has none (or does not exist)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             request = struct.pack("256s", ifname.encode()[:15])
@@ -113,10 +108,6 @@ def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
     master. On the master node of a ``multi_node`` job ``MASTER_ADDR`` often resolves to a
     loopback address (``127.0.1.1`` on Debian), which would lock the other nodes out: the
     default route's interface is used instead. ``ValueError`` when no interface fits.
-
-    Example:
-        >>> choose_binding("127.0.0.1").loopback
-        True
     """
     resolved = _resolve(master_addr)
     loopback = ipaddress.ip_address(resolved).is_loopback
@@ -167,18 +158,12 @@ def socket_ifname_env(ifname: str) -> Iterator[None]:
 
 
 def free_loopback_port() -> int:
-    """Return a TCP port that is free on ``127.0.0.1`` right now.
-
-    Example:
-        >>> 0 < free_loopback_port() < 65536
-        True
-    """
+    """Return a TCP port that is free on ``127.0.0.1`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-# --------------------------------------------------------------------------------------------------
 # Rendezvous handlers: torch's env:// and tcp:// stores listen on every interface.
 
 

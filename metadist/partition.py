@@ -1,9 +1,8 @@
 """Partitioners: split the arguments of a remote call into per-worker pieces.
 
 A partitioner is called like the remote function, ``partitioner(*args, **kwargs)``, and returns a
-list of ``(worker_id, args, kwargs)`` triples, one per partition. The partitioners here return a
-:class:`Partitions` list that also records how many batch items each partition holds, so that
-:func:`metadist.mean_reducer` can weight partition results by their size.
+list of ``(worker_id, args, kwargs)`` triples, one per partition: here a :class:`Partitions`,
+which also holds the batch size of each partition for :func:`metadist.mean_reducer`.
 """
 
 from __future__ import annotations
@@ -37,15 +36,13 @@ class Partitions(list[Partition]):
 
     Args:
         items: The ``(worker_id, args, kwargs)`` triples, in partition order.
-        sizes: Number of batch items in each partition, or ``None`` when unknown.
-        schedule: ``"static"``: each partition runs on its worker; ``"dynamic"``: a
-            synchronous call hands each partition to whichever of the listed workers frees up
-            first (the worker ids are then only the set of workers to use).
 
     Attributes:
         sizes: Number of batch items in each partition (partition order), or ``None`` when
             unknown. :func:`metadist.mean_reducer` uses it to weight partition results.
-        schedule: ``"static"`` or ``"dynamic"``.
+        schedule: ``"static"``: each partition runs on its worker; ``"dynamic"``: a
+            synchronous call hands each partition to whichever of the listed workers frees up
+            first (the worker ids are then only the set of workers to use).
 
     Example:
         >>> parts = Partitions([(0, (), {}), (1, (), {})], sizes=(3, 2))
@@ -73,17 +70,8 @@ def _check_schedule(schedule: Any, owner: str) -> str:
 def split_sizes(n: int, k: int) -> list[int]:
     """Split ``n`` items into ``min(n, k)`` contiguous chunks whose sizes differ by at most 1.
 
-    Larger chunks come first. TorchOpt puts the whole remainder on the last worker instead.
-
-    Args:
-        n: Number of items (``>= 1``).
-        k: Number of workers (``>= 1``).
-
-    Returns:
-        The chunk sizes; they sum to ``n`` and none is 0.
-
-    Raises:
-        ValueError: ``n`` or ``k`` is smaller than 1.
+    Larger chunks come first (TorchOpt puts the whole remainder on the last worker instead);
+    ``ValueError`` if ``n`` or ``k`` is smaller than 1.
 
     Example:
         >>> split_sizes(10, 4)
@@ -115,17 +103,9 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
             item goes to the next worker that frees up; needs ``exclusive=True``).
 
     Raises:
-        TypeError: ``dim`` is not an int, ``exclusive``/``keepdim`` not bools, or ``workers`` not
-            a sequence of ranks or names.
-        ValueError: ``keepdim=False`` without ``exclusive=True``, an empty ``workers``, or a
-            dynamic schedule without ``exclusive=True``.
-
-    Example:
-        >>> import torch
-        >>> part = DimPartitioner(0)
-        >>> parts = part.split((torch.arange(5),), {}, worker_ids=[0, 1])
-        >>> [(wid, args[0].tolist()) for wid, args, _ in parts]
-        [(0, [0, 1, 2]), (1, [3, 4])]
+        TypeError: An argument has the wrong type.
+        ValueError: ``keepdim=False`` or ``schedule="dynamic"`` without ``exclusive=True``, or
+            an empty ``workers``.
     """
 
     dim: int = 0
@@ -308,9 +288,7 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         if not self.exclusive:
             # One worker gets the batch itself (a world of 1 then runs on the caller's tensors).
             return [tensor] if len(sizes) == 1 else tensor.split(sizes, dim)
-        if self.keepdim:
-            return tensor.split(1, dim)
-        return tensor.unbind(dim)
+        return tensor.split(1, dim) if self.keepdim else tensor.unbind(dim)
 
 
 def dim_partitioner(

@@ -1,10 +1,8 @@
 """Reducers: combine the per-partition results of a remote call into one value.
 
 A reducer is any callable ``reducer(results) -> value`` taking the list of partition results in
-partition order. The list metadist passes is a :class:`PartitionResults`, a ``list`` whose
-``sizes`` attribute holds the batch size of each partition when the partitioner knows it; the
-reducers here are pytree-aware: a task returning ``(loss, accuracy)`` or a dict is reduced leaf
-by leaf.
+partition order (a :class:`PartitionResults`, with the partition sizes when known). The reducers
+here are pytree-aware: a task returning ``(loss, accuracy)`` or a dict is reduced leaf by leaf.
 """
 
 from __future__ import annotations
@@ -17,13 +15,7 @@ import torch
 
 from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-__all__ = [
-    "PartitionResults",
-    "cat_reducer",
-    "mean_reducer",
-    "stack_reducer",
-    "sum_reducer",
-]
+__all__ = ["PartitionResults", "cat_reducer", "mean_reducer", "stack_reducer", "sum_reducer"]
 
 
 class PartitionResults(list[Any]):
@@ -31,10 +23,9 @@ class PartitionResults(list[Any]):
 
     Args:
         items: The per-partition results, in partition order.
-        sizes: Batch items in each partition, or ``None`` when unknown.
 
     Attributes:
-        sizes: Batch items per partition (partition order), or ``None``.
+        sizes: Batch items per partition (partition order), or ``None`` when unknown.
 
     Raises:
         TypeError: ``sizes`` is not a sequence of ints.
@@ -55,8 +46,7 @@ class PartitionResults(list[Any]):
 
 
 def check_sizes(sizes: Any, count: int, name: str, noun: str = "result") -> tuple[int, ...]:
-    """``sizes`` as a tuple of ``count`` positive ints (numpy ints are fine); the ``TypeError``
-    or ``ValueError`` otherwise calls them ``name`` and says what each counts (``noun``).
+    """``sizes`` as a tuple of ``count`` positive ints, else an error naming them ``name``.
 
     Wrong sizes would silently skew a size-weighted mean, so they are refused where they enter:
     here, for both :class:`PartitionResults` and a partitioner's ``Partitions.sizes``.
@@ -127,10 +117,9 @@ def mean_reducer(results: Sequence[Any]) -> Any:
     """Average partition results leaf by leaf, weighted by partition size when known.
 
     With :func:`metadist.dim_partitioner` the partitions record their sizes, so the mean of
-    per-partition means over an unevenly split batch equals the full-batch mean (TorchOpt
-    averages the partition means unweighted, which biases toward the smaller partitions). A
-    plain list, or equal sizes, gives the unweighted mean. Integer tensors are averaged in the
-    default float dtype.
+    per-partition means over an unevenly split batch equals the full-batch mean (TorchOpt averages
+    the partition means unweighted, which biases toward the smaller partitions). A plain list, or
+    equal sizes, gives the unweighted mean. Integer tensors are averaged in the default float dtype.
 
     Args:
         results: Partition results (all with the same pytree structure).

@@ -106,34 +106,17 @@ class Timeline:
             {"ph": "M", "name": "process_name", "pid": pid[w], "args": {"name": w}} for w in workers
         ]
         for p in self.partitions:
+            name, where = f"{p.function}[{p.partition}]", {"pid": pid[p.worker], "tid": p.call}
+            args = {"call": p.call, "round trip ms": round((p.done - p.sent) * 1e3, 3)}
+            args |= {"bytes out": p.bytes_out, "bytes in": p.bytes_in}
+            span = {"ts": (p.start - origin) * 1e6, "dur": max(p.end - p.start, 0.0) * 1e6}
             events.append(
-                {
-                    "ph": "X",
-                    "name": f"{p.function}[{p.partition}]",
-                    "cat": "forward",
-                    "pid": pid[p.worker],
-                    "tid": p.call,
-                    "ts": (p.start - origin) * 1e6,
-                    "dur": max(p.end - p.start, 0.0) * 1e6,
-                    "args": {
-                        "call": p.call,
-                        "round trip ms": round((p.done - p.sent) * 1e3, 3),
-                        "bytes out": p.bytes_out,
-                        "bytes in": p.bytes_in,
-                    },
-                }
+                {"ph": "X", "name": name, "cat": "forward", **where, **span, "args": args}
             )
             if p.gradients_sent is not None:
+                sent = {"name": f"gradients of {name} sent", "cat": "backward", **where}
                 events.append(
-                    {
-                        "ph": "i",
-                        "s": "p",
-                        "name": f"gradients of {p.function}[{p.partition}] sent",
-                        "cat": "backward",
-                        "pid": pid[p.worker],
-                        "tid": p.call,
-                        "ts": (p.gradients_sent - origin) * 1e6,
-                    }
+                    {"ph": "i", "s": "p", **sent, "ts": (p.gradients_sent - origin) * 1e6}
                 )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 

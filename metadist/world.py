@@ -115,7 +115,6 @@ def default_worker_name_format(
     return f"worker{world_rank:0{len(str(world_size))}d}"
 
 
-# --------------------------------------------------------------------------------------------------
 # The running world
 
 
@@ -138,11 +137,9 @@ _ADOPT_LOCK = threading.Lock()
 
 
 def _running_rpc_agent() -> Any | None:
-    """torch's RPC agent of this process, or ``None`` when RPC is not running.
-
-    Private torch API: nothing public lists every worker of a running world or tells a restarted
-    world from the old one. tests/test_interop.py fails loudly if torch renames it.
-    """
+    """torch's RPC agent of this process, or ``None`` when RPC is not running (private torch API:
+    nothing public lists a world's workers or tells a restarted world from the old one;
+    tests/test_interop.py fails loudly if torch renames it)."""
     from torch.distributed.rpc import api
 
     if not api._is_current_rpc_agent_set():  # type: ignore[attr-defined]
@@ -175,11 +172,8 @@ def _adopted_runtime() -> _Runtime | None:
             env = read_launch_environment()
             if "LOCAL_RANK" in os.environ and env.info[:2] == (rank, size):
                 info = env.info
-        runtime = _Runtime(
-            info,
-            float(rpc.get_rpc_timeout()),  # type: ignore[attr-defined]
-            tuple(worker.name for worker in workers),
-        )
+        timeout = float(rpc.get_rpc_timeout())  # type: ignore[attr-defined]
+        runtime = _Runtime(info, timeout, tuple(worker.name for worker in workers))
         with _PENDING_LOCK:
             _PENDING.clear()  # rendezvous of a world that is gone
         _ADOPTED = (agent, runtime)
@@ -203,12 +197,9 @@ def in_rpc_world() -> bool:
 
 
 def join_world(info: WorldInfo, own_name: str, timeout: float) -> None:
-    """Describe the world RPC was just started in (every worker, once, after init).
-
-    Gathers every worker's name at rank 0, so that names are known without a call per lookup;
-    ``timeout`` bounds that wait and is the default of :func:`barrier`. Raises ``ValueError``
-    when two workers have the same name.
-    """
+    """Describe the world RPC was just started in (every worker, once, after init): every
+    worker's name, gathered at rank 0 within ``timeout`` (also :func:`barrier`'s default), so
+    that lookups need no call. ``ValueError`` when two workers have the same name."""
     global _RUNTIME
     runtime = _RUNTIME = _Runtime(info, timeout, ())
     future = arrive_async(
@@ -230,10 +221,8 @@ def leave_world() -> None:
 
 
 def world_token() -> object:
-    """An object that identifies the running world (a restarted world gets a new one).
-
-    Caches whose entries must not outlive a world key on it. ``RuntimeError`` outside a world.
-    """
+    """An object that identifies the running world (a restarted world gets a new one), for caches
+    whose entries must not outlive it; ``RuntimeError`` outside a world."""
     return _runtime("metadist.world.world_token")
 
 
@@ -242,7 +231,6 @@ def require_rpc(api_name: str) -> None:
     _runtime(api_name)
 
 
-# --------------------------------------------------------------------------------------------------
 # Who am I, who are the others
 
 
@@ -374,7 +362,6 @@ def _known_workers(world_size: int) -> str:
     return f"known worker ranks are 0..{world_size - 1}"
 
 
-# --------------------------------------------------------------------------------------------------
 # Waiting for the others: rendezvous at a coordinator worker, over public RPC APIs only.
 #
 # Every member sends (key, member, value) to the coordinator; the coordinator's handler returns a
@@ -406,12 +393,9 @@ def arrive_async(
     value: Any = None,
     coordinator: str | int = 0,
 ) -> Future[dict[Any, Any]]:
-    """Announce ``member`` (with ``value``) at the rendezvous ``key`` held by ``coordinator``.
-
-    The building block of :func:`barrier` and of the shutdown handshake. Returns a future of
-    ``{member: value}`` that completes once ``expected`` members arrived, or fails after
-    ``timeout`` seconds (``0`` waits forever).
-    """
+    """Announce ``member`` (with ``value``) at the rendezvous ``key`` held by ``coordinator``: a
+    future of ``{member: value}`` that completes once ``expected`` members arrived, or fails after
+    ``timeout`` seconds (``0`` waits forever). :func:`barrier` and the shutdown handshake use it."""
     return rpc.rpc_async(coordinator, _arrive, args=(key, expected, member, value), timeout=timeout)
 
 
@@ -479,10 +463,8 @@ def barrier(
 
 
 def wait_all(futures: Iterable[Future[Any]]) -> None:
-    """Block until every future is done, in a wait that Ctrl-C can interrupt.
-
-    Errors are not raised here: read them from each future afterwards.
-    """
+    """Block until every future is done, in a wait that Ctrl-C can interrupt (errors are not
+    raised here: read them from each future afterwards)."""
     # torch's Future.wait blocks in C++, where the main thread never sees SIGINT. SimpleQueue.get
     # is interruptible, and its put is a C function the future can call directly.
     pending = [future for future in futures if not future.done()]
@@ -520,7 +502,6 @@ def use_process_threads() -> None:
         torch.set_num_threads(torch.get_num_threads())
 
 
-# --------------------------------------------------------------------------------------------------
 # Rank selectors: the rank is checked at call time, so they can decorate at import. A rank beyond
 # the world never matches, so a script written for N workers runs unchanged in a world of 1.
 
@@ -540,9 +521,7 @@ def _selector(
 
         @functools.wraps(func)
         def wrapped(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            if (get_world_rank() in ranks) == run_on_listed:
-                return func(*args, **kwargs)
-            return None
+            return func(*args, **kwargs) if (get_world_rank() in ranks) == run_on_listed else None
 
         return wrapped
 
