@@ -756,15 +756,6 @@ def remote_sync_call(
         TimeoutError: A partition did not finish in time.
         RemoteError: A partition failed and its exception type could not be rebuilt (otherwise
             the remote exception's own type is raised).
-
-    Example:
-        >>> import torch
-        >>> import metadist
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     return remote_sync_call(torch.sum, args=(torch.ones(3),), partitioner=0)
-        >>> main()
-        [tensor(3.)]
     """
     # Waiting on the partitions directly is cheaper than chaining futures.
     call = _start(
@@ -798,16 +789,6 @@ def parallelize_async(
 
     Raises:
         TypeError: (when decorating) a lambda or local function, or bad arguments.
-
-    Example:
-        >>> import torch
-        >>> import metadist
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     square = parallelize_async(partitioner=0)(torch.square)
-        ...     return square(torch.tensor(3.0)).wait()
-        >>> main()
-        [tensor(9.)]
     """
     return _parallelizer(partitioner, reducer, timeout, compression, progress, sync=False)
 
@@ -833,16 +814,6 @@ def parallelize_sync(
 
     Raises:
         TypeError: (when decorating) a lambda or local function, or bad arguments.
-
-    Example:
-        >>> import torch
-        >>> import metadist
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     total = parallelize_sync(reducer=metadist.sum_reducer)(torch.sum)
-        ...     return total(torch.arange(6.0))
-        >>> main()
-        tensor(15.)
     """
     return _parallelizer(partitioner, reducer, timeout, compression, progress, sync=True)
 

@@ -410,15 +410,6 @@ def context() -> Iterator[int]:
 
     Raises:
         RuntimeError: RPC is not running (see :func:`metadist.auto_init_rpc`).
-
-    Example:
-        >>> import metadist
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     with context() as context_id:
-        ...         return isinstance(context_id, int)
-        >>> main()
-        True
     """
     require_rpc("metadist.autograd.context")
     with dist_autograd.context() as context_id:
@@ -576,21 +567,6 @@ def grad(
         RuntimeError: An input was not reached and ``allow_unused`` is false, or see
             :func:`backward`.
         ValueError: An unknown ``context_id``, a non-scalar output or a non-leaf input.
-
-    Example:
-        >>> import torch
-        >>> import metadist
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     w = torch.ones(2, requires_grad=True)
-        ...     with context() as ctx:
-        ...         (y,) = metadist.remote_sync_call(torch.mul, args=(w, 3.0), partitioner=0)
-        ...         loss = y.sum()
-        ...         first = grad(ctx, loss, w, retain_graph=True)
-        ...         second = grad(ctx, loss, w)
-        ...     return first[0], second[0]
-        >>> main()
-        (tensor([3., 3.]), tensor([3., 3.]))
     """
     check_context(context_id, "metadist.autograd.grad")
     roots = _roots(outputs, "outputs")
@@ -619,15 +595,6 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     Raises:
         RuntimeError: RPC is not running.
         ValueError: ``context_id`` is not a live context of this process.
-
-    Example:
-        >>> import metadist
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     with context() as ctx:
-        ...         return get_gradients(ctx)
-        >>> main()
-        {}
     """
     check_context(context_id, "metadist.autograd.get_gradients")
     return {t: g.clone() for t, g in _dist_get_gradients(context_id).items()}
