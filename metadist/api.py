@@ -490,9 +490,7 @@ class _Call:
         if self.link is not None:
             record = None if self.telemetry is None else self.telemetry.records[index]
             return True, self.link.receive(index, worker, reply, record)
-        if reply.outputs:  # no argument of the caller's requires grad: fresh leaves
-            return True, _fresh_leaves(reply)
-        return True, transport.unwire_tree(reply.value) if reply.wired else reply.value
+        return True, autograd.result_of(reply)
 
     def collect(self) -> Any:
         """Wait for *every* partition (none is left pending), then reduce or raise."""
@@ -568,14 +566,6 @@ def _future(call: _Call) -> Future[Any]:
     # collect_all completes once every future has, failed ones included (at once if none).
     torch.futures.collect_all([f for f in call.futures if f is not None]).add_done_callback(finish)
     return result
-
-
-def _fresh_leaves(reply: remote_worker.Reply) -> Any:
-    value = transport.unwire_tree(reply.value) if reply.wired else reply.value
-    flat, _ = tree_flatten(value)
-    for i in reply.outputs:
-        flat[i].requires_grad_(True)
-    return value
 
 
 def _holds_rref(tree: Any) -> bool:

@@ -82,14 +82,14 @@ def released(world_token: object, worker: str) -> tuple[int, ...]:
     return tuple(keys) if keys else ()
 
 
-def release(world_token: object, parts: Sequence[tuple[str, int]]) -> None:
+def release(world_token: object, graphs: Sequence[tuple[str, int]]) -> None:
     """Note that the graphs ``(worker, key)`` are no longer needed."""
     with _RELEASED_LOCK:
-        for worker, key in parts:
+        for worker, key in graphs:
             _RELEASED.setdefault((world_token, worker), []).append(key)
 
 
-class Part(NamedTuple):
+class Graph(NamedTuple):
     """One remote partition's kept graph, as the caller sees it."""
 
     worker: str
@@ -100,7 +100,7 @@ class Part(NamedTuple):
 
 
 class RemoteGradients:
-    """The state one call's nodes share: its parts, and each pass's requests in flight."""
+    """The state one call's nodes share: its kept graphs, and each pass's requests in flight."""
 
     # No tensors here: the nodes hold this object, and a tensor whose graph holds them would
     # make a reference cycle through torch's C++ nodes that Python's collector cannot see.
@@ -108,8 +108,8 @@ class RemoteGradients:
         self.world_token = world_token
         self.compression = compression
         self.key_base = key_base
-        self.parts: list[Part] = []  # also what the release marker releases
-        self.sent: dict[int, dict[str, tuple[list[tuple[Part, list[Any], int]], Any]]] = {}
+        self.graphs: list[Graph] = []  # also what the release marker releases
+        self.sent: dict[int, dict[str, tuple[list[tuple[Graph, list[Any], int]], Any]]] = {}
         self.probes: list[Any] = []  # per output: see _Probe
         self.retain = False  # keep the workers' graphs whatever the pass (see _second_order)
 
@@ -119,22 +119,22 @@ class RemoteGradients:
 
     def send(self, grads: tuple[torch.Tensor | None, ...], create_graph: bool, retain: bool) -> int:
         """Send the results' gradients, one request per worker; return the pass's number."""
-        per_worker: dict[str, list[tuple[Part, list[Any], int]]] = {}
+        per_worker: dict[str, list[tuple[Graph, list[Any], int]]] = {}
         offset = 0
-        for part in self.parts:
-            mine = list(grads[offset : offset + part.outputs])
-            offset += part.outputs
+        for graph in self.graphs:
+            mine = list(grads[offset : offset + graph.outputs])
+            offset += graph.outputs
             if any(g is not None for g in mine):
                 answer_key = self.new_key() if create_graph else -1
-                per_worker.setdefault(part.worker, []).append((part, mine, answer_key))
+                per_worker.setdefault(graph.worker, []).append((graph, mine, answer_key))
         log = timeline.active()
         sent = {}
         for worker, items in per_worker.items():
             if log is not None:
                 log.add_request(worker)
-                for part, _, _ in items:
-                    if part.record is not None:
-                        part.record.gradients_sent = timeline.now()
+                for graph, _, _ in items:
+                    if graph.record is not None:
+                        graph.record.gradients_sent = timeline.now()
             wired = [
                 (p.key, [None if g is None else transport.wire(g, self.compression) for g in gs], k)
                 for p, gs, k in items
@@ -151,12 +151,12 @@ class RemoteGradients:
         """Wait for pass ``number``'s answers; return each argument's gradient (or ``None``)."""
         totals: list[torch.Tensor | None] = [None] * len(inputs)
         for worker, (items, future) in self.sent.pop(number).items():
-            for (part, grads, answer_key), (found, diff) in zip(
+            for (graph, grads, answer_key), (found, diff) in zip(
                 items, _answers(worker, future), strict=True
             ):
                 if diff:
-                    found = _second_order(part, inputs, grads, found, answer_key, diff, self)  # noqa: PLW2901
-                for position, g in zip(part.inputs, found, strict=True):
+                    found = _second_order(graph, inputs, grads, found, answer_key, diff, self)  # noqa: PLW2901
+                for position, g in zip(graph.inputs, found, strict=True):
                     if g is not None:
                         total = totals[position]
                         totals[position] = g if total is None else total + g
@@ -179,7 +179,7 @@ def _answers(worker: str, future: Any) -> list[Any]:
 
 
 def _second_order(  # noqa: PLR0917
-    part: Part,
+    graph: Graph,
     inputs: tuple[torch.Tensor, ...],
     grads: list[torch.Tensor | None],
     found: list[torch.Tensor | None],
@@ -189,17 +189,17 @@ def _second_order(  # noqa: PLR0917
 ) -> list[torch.Tensor | None]:
     """The answer as the result of a call of its own, differentiable again (create_graph).
 
-    The worker kept the answer's graph under ``key``; its leaves are the part's arguments
+    The worker kept the answer's graph under ``key``; its leaves are the partition's arguments
     followed by the received gradients, so the answer links to both, through the same nodes as
     any call.
     """
-    sources = [inputs[p] for p in part.inputs] + [g for g in grads if g is not None]
+    sources = [inputs[p] for p in graph.inputs] + [g for g in grads if g is not None]
     kept = RemoteGradients(state.world_token, state.compression, state.key_base)
     # The answer's graph on the worker runs through the partition's, which a request for the
     # first-order results may still need in this pass: keep it for every pass (dropped with
     # the caller's graph).
     kept.retain = True
-    kept.parts.append(Part(part.worker, key, list(range(len(sources))), len(diff), None))
+    kept.graphs.append(Graph(graph.worker, key, list(range(len(sources))), len(diff), None))
     token = _Arguments.apply(kept, *sources)
     result = list(found)
     outputs = [t for i in diff if (t := found[i]) is not None]  # none is None: see _vjp_one
@@ -219,8 +219,8 @@ def _refuse_batched(grads: Sequence[torch.Tensor | None]) -> None:
         )
 
 
-def _release_parts(world_token: object, parts: list[Part]) -> None:
-    release(world_token, [(p.worker, p.key) for p in parts])
+def _release_graphs(world_token: object, graphs: list[Graph]) -> None:
+    release(world_token, [(g.worker, g.key) for g in graphs])
 
 
 class _Arguments(torch.autograd.Function):
@@ -228,10 +228,10 @@ class _Arguments(torch.autograd.Function):
     def forward(ctx: Any, state: RemoteGradients, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.state = state
         ctx.inputs = inputs  # for create_graph; inputs make no reference cycle
-        # Freed with the caller's graph, and then releases the workers' graphs (``state.parts``
+        # Freed with the caller's graph, and then releases the workers' graphs (``state.graphs``
         # may still grow).
         ctx.marker = torch.empty(0)
-        weakref.finalize(ctx.marker, _release_parts, state.world_token, state.parts)
+        weakref.finalize(ctx.marker, _release_graphs, state.world_token, state.graphs)
         return torch.zeros((), dtype=torch.float64)
 
     @staticmethod
@@ -254,7 +254,7 @@ class _Results(torch.autograd.Function):
         _refuse_batched(grads)
         state: RemoteGradients = ctx.state
         retain = state.retain or any(
-            _kept(probe) for probe, g in zip(state.probes, grads, strict=True) if g is not None
+            _retained(probe) for probe, g in zip(state.probes, grads, strict=True) if g is not None
         )
         number = state.send(grads, torch.is_grad_enabled(), retain)
         return None, None, torch.tensor(float(number), dtype=torch.float64)
@@ -278,7 +278,7 @@ class _Probe(torch.autograd.Function):
         return None, grad
 
 
-def _kept(probe: Any) -> bool:
+def _retained(probe: Any) -> bool:
     """Whether the probe's node still holds its saved marker (the pass keeps the graph).
 
     ``_raw_saved_tensors`` reads the slot without unpacking it, so saved-tensor hooks (e.g.
@@ -299,6 +299,17 @@ def _linked(
     state: RemoteGradients, token: torch.Tensor, outputs: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     return [_Probe.apply(state, t) for t in _Results.apply(state, outputs, token)]
+
+
+def result_of(reply: remote_worker.Reply) -> Any:
+    """The result of a reply whose graph was not kept: its tensors that required grad are
+    fresh leaves, as a leaf made inside a local call would be."""
+    value = transport.unwire_tree(reply.value) if reply.wired else reply.value
+    if reply.outputs:
+        flat, _ = tree_flatten(value)
+        for i in reply.outputs:
+            flat[i].requires_grad_(True)
+    return value
 
 
 class _Held(NamedTuple):
@@ -341,9 +352,8 @@ class Link:
                 self.token = _Arguments.apply(self.state, *self.sources)
 
     def receive(self, index: int, worker: str, reply: remote_worker.Reply, record: Any) -> Any:
-        """A remote partition's reply: its ``.grad`` writes applied, its result returned (its
-        tensors that required grad made fresh leaves, or held until :meth:`finish` links them)."""
-        value = transport.unwire_tree(reply.value) if reply.wired else reply.value
+        """A remote partition's reply: its ``.grad`` writes applied, its result returned, or
+        held until :meth:`finish` links it."""
         positions = self.positions.get(index, [])
         if reply.written:
             with torch.no_grad():
@@ -352,15 +362,13 @@ class Link:
                     if source.is_leaf:  # a non-leaf's .grad is not kept locally either
                         g = transport.unwire(g).to(source.dtype)  # noqa: PLW2901
                         source.grad = g if source.grad is None else source.grad + g
-        if not reply.outputs:
-            return value
-        flat, spec = tree_flatten(value)
-        if not reply.kept:  # no argument of the caller's under them: fresh leaves
-            for i in reply.outputs:
-                flat[i].requires_grad_(True)
-            return value
-        self.state.parts.append(
-            Part(worker, self.keys[index], positions, len(reply.outputs), record)
+        if not reply.kept:
+            return result_of(reply)
+        flat, spec = tree_flatten(
+            transport.unwire_tree(reply.value) if reply.wired else reply.value
+        )
+        self.state.graphs.append(
+            Graph(worker, self.keys[index], positions, len(reply.outputs), record)
         )
         held = _Held(flat, spec, reply.outputs)
         self._pending.append(held)
@@ -384,12 +392,12 @@ class Link:
     def abandon(self, lost: Sequence[tuple[str, int]]) -> None:
         """The call failed: release its kept graphs and those of partitions ``(worker,
         index)`` whose fate is unknown (timed out, failed in RPC)."""
-        parts = list(self.state.parts)
-        self.state.parts.clear()  # the list the release marker holds: released here, once
+        graphs = list(self.state.graphs)
+        self.state.graphs.clear()  # the list the release marker holds: released here, once
         self._pending = []
         release(
             self.state.world_token,
-            [(p.worker, p.key) for p in parts]
+            [(p.worker, p.key) for p in graphs]
             + [(w, self.keys[i]) for w, i in lost if self.keys.get(i)],
         )
 
@@ -451,12 +459,8 @@ def _leaves(tensors: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[t
 
 
 def check_context(context_id: int, api: str) -> None:
-    """Raise ``ValueError`` unless ``context_id`` is a live distributed-autograd context here.
-
-    Torch's own error for an unknown id is a bare ``RuntimeError`` raised deep inside the call;
-    metadist checks first, so that the message names ``api`` and nothing is sent (and raises
-    ``RuntimeError`` when RPC is not running).
-    """
+    """Raise ``ValueError`` naming ``api`` unless ``context_id`` is a live context here (torch's
+    own error is a bare ``RuntimeError`` from deep inside), ``RuntimeError`` without RPC."""
     require_rpc(api)
     if isinstance(context_id, bool) or not isinstance(context_id, int):
         raise ValueError(f"{api}: context_id must be an int, got {context_id!r}")
@@ -471,19 +475,14 @@ def check_context(context_id: int, api: str) -> None:
 
 
 def _pass(
-    context_id: int,
-    roots: list[torch.Tensor],
-    targets: list[torch.Tensor] | None,
-    retain_graph: bool,
+    context_id: int, roots: list[torch.Tensor], targets: list[torch.Tensor] | None, retain: bool
 ) -> dict[torch.Tensor, torch.Tensor]:
-    """Run one backward pass; return its own gradient of each leaf reached (among ``targets``).
-
-    The context's map accumulates over passes, so this pass's share is ``after - before``.
-    """
+    """Run one backward pass; its own gradient of each leaf reached (among ``targets``): the
+    context's map accumulates over passes, so this pass's share is ``after - before``."""
     grads = _dist_get_gradients(context_id)
     keys = grads if targets is None else [t for t in targets if t in grads]
     before = {t: grads[t].clone() for t in keys}
-    _dist_backward(context_id, roots, retain_graph=retain_graph)
+    _dist_backward(context_id, roots, retain_graph=retain)
     after: dict[torch.Tensor, torch.Tensor] = _dist_get_gradients(context_id)
     deltas: dict[torch.Tensor, torch.Tensor] = {}
     with torch.no_grad():
@@ -601,11 +600,8 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 
 
 def gradients_here(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
-    """This worker's gradients of ``context_id`` (not copied; empty if it took no part).
-
-    What an owner's optimizer reads: the context's map on this worker, for the leaves whose
-    gradients a backward pass of the context delivered here.
-    """
+    """The context's map on this worker, what an owner's optimizer reads (not copied; empty
+    if this worker took no part)."""
     try:
         return dict(_dist_get_gradients(context_id))
     except RuntimeError:  # no such context here: this worker took no part in it

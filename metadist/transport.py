@@ -62,12 +62,7 @@ _COMPRESSION = {
 
 
 def resolve_compression(compression: str | None) -> torch.dtype | None:
-    """The wire dtype of a ``compression`` argument (``None``: none); ``ValueError`` otherwise.
-
-    Example:
-        >>> resolve_compression("bf16")
-        torch.bfloat16
-    """
+    """The wire dtype of a ``compression`` argument (``None``: none); ``ValueError`` otherwise."""
     if compression is None:
         return None
     dtype = _COMPRESSION.get(compression) if isinstance(compression, str) else None
@@ -81,8 +76,7 @@ def resolve_compression(compression: str | None) -> torch.dtype | None:
 
 
 class _Wire:
-    """Base of the wire objects: pickled positionally, smaller and faster to unpickle than the
-    default for slotted classes (a dict of slot names)."""
+    """Pickled positionally: smaller and faster to unpickle than a dict of slot names."""
 
     __slots__ = ()
 
@@ -227,9 +221,9 @@ def _encode_module(
         for k, name in plan.buffer_reads
     )
     training = sum(1 << i for i, m in enumerate(modules) if m.training)
-    parts = (tuple(params), buffers, training, requires_grad)
-    memo.modules[id(module)] = (plan, parts)
-    return plan, parts
+    sent = (tuple(params), buffers, training, requires_grad)
+    memo.modules[id(module)] = (plan, sent)
+    return plan, sent
 
 
 _SCALARS = (str, bytes, int, float, complex, bool, type(None))
@@ -349,11 +343,6 @@ def encode(
     and (not ``attached``) the tensors that travel detached but require grad, in the order
     :func:`decode` makes them leaves. Raises ``TypeError`` for a module that cannot be pickled,
     a tensor that requires grad hidden in an object, or a tensor that cannot travel.
-
-    Example:
-        >>> import torch
-        >>> encode((torch.ones(1),), {}, world=None, worker="w", dtype=None, memo=CallMemo())[2]
-        False
     """
     if not _needs_encoding(args, dtype, attached) and not _needs_encoding(kwargs, dtype, attached):
         return args, kwargs, False, (), []  # the common fast path: nothing to rewrite
@@ -362,14 +351,14 @@ def encode(
     sources: list[torch.Tensor] = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, nn.Module):
-            plan, parts = _encode_module(leaf, (args, kwargs, i), dtype, memo, attached)
+            plan, sent = _encode_module(leaf, (args, kwargs, i), dtype, memo, attached)
             if not attached:
                 sources.extend(p for _, _, p in plan.param_reads if p.requires_grad)
             bytes_ = None
             if not structure.is_confirmed(world, worker, plan.fingerprint):
                 bytes_ = plan.structure
                 new_structures.append(plan.fingerprint)
-            leaves[i] = _ModuleRef(plan.fingerprint, bytes_, *parts)
+            leaves[i] = _ModuleRef(plan.fingerprint, bytes_, *sent)
         elif isinstance(leaf, torch.Tensor):
             _refuse(leaf, (args, kwargs, i))
             if leaf.requires_grad and not attached:
@@ -438,10 +427,6 @@ def decode(
     With ``leaves`` (the call travelled detached), module parameters become ``nn.Parameter``
     leaves; returns ``(args, kwargs, leaves)`` with the leaves that require grad in the order of
     :func:`encode`'s ``sources``. Raises ``RuntimeError`` for a structure neither sent nor cached.
-
-    Example:
-        >>> decode((1,), {"a": 2})
-        ((1,), {'a': 2}, [])
     """
     flat, spec = tree_flatten((args, kwargs))
     made: list[torch.Tensor] | None = [] if leaves else None

@@ -142,7 +142,7 @@ class _MainThread:
                 while not until.is_set():
                     item = self.jobs.get(timeout=timeout)
                     if item is not None:
-                        _finish(*item)
+                        _complete(*item)
                         with self.lock:
                             self.idle = True
         finally:
@@ -151,11 +151,11 @@ class _MainThread:
             # A job handed over just before the end still runs.
             with contextlib.suppress(queue.Empty):
                 while (item := self.jobs.get_nowait()) is not None:
-                    _finish(*item)
+                    _complete(*item)
         return until.is_set()
 
 
-def _finish(job: Callable[[], Any], future: Future[Any]) -> None:
+def _complete(job: Callable[[], Any], future: Future[Any]) -> None:
     try:
         result = job()  # jobs return their own errors; this is for Ctrl-C and the like
     except BaseException as error:

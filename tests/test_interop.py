@@ -196,10 +196,13 @@ def rref_calls_attached_and_hidden_rpc_refused(world_size: int) -> None:
     x = torch.ones(3, requires_grad=True)
     with metadist.autograd.context(), pytest.raises(RuntimeError, match="Pass the RRef"):
         metadist.remote_sync_call(_own_rpc, args=(x,), partitioner="ps_a")
-    # Outside a context torch records nothing either: the same as its own RPC there.
+    # Outside a context torch records nothing either: the same as its own RPC there (the
+    # result is a leaf that requires grad, linked to nothing).
     (y,) = metadist.remote_sync_call(_own_rpc, args=(x,), partitioner="ps_a")
-    assert y.item() == 3.0
-    assert not y.requires_grad
+    theirs = rpc.rpc_sync("ps_a", _own_rpc, args=(x,))
+    assert y.item() == theirs.item() == 3.0
+    assert y.requires_grad == theirs.requires_grad
+    assert torch.autograd.grad(y, x, allow_unused=True) == (None,)
 
 
 SCENARIOS: list[Callable[[int], Any]] = [
