@@ -92,10 +92,10 @@ from metadist.partition import TensorDimensionPartitioner
 
 
 def is_available() -> bool:
-    """Whether torch has what metadist needs: ``torch.distributed``, RPC and distributed autograd.
+    """Whether this torch has ``torch.distributed``, RPC and distributed autograd.
 
     Returns:
-        ``True`` when all three are built into this torch.
+        ``True`` when all three are built in.
 
     Example:
         >>> import metadist
