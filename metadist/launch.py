@@ -319,9 +319,8 @@ def _listener_and_rendezvous(
         launch.launcher != "torchrun" or "LOCAL_WORLD_SIZE" in os.environ
     )
     if single_node:
-        # Every worker is on this node, so loopback reaches them all, whatever MASTER_ADDR is:
-        # `torchrun --standalone` sets it to the host's FQDN, which often resolves to a LAN
-        # address, and SLURM names the node; RPC must not listen there.
+        # Loopback reaches every worker, whatever MASTER_ADDR is (`torchrun --standalone` sets
+        # the FQDN, often a LAN address; SLURM names the node): RPC must not listen there.
         binding = network.choose_binding("127.0.0.1")
     else:
         try:
@@ -329,7 +328,6 @@ def _listener_and_rendezvous(
                 master_addr, multi_node=info.local_world_size < info.world_size
             )
         except ValueError:
-            # Interfaces the user chose are used as given: no need for metadist's own choice.
             if (user := network.user_binding()) is None:
                 raise
             binding = user
@@ -556,7 +554,7 @@ def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
         dead = _finish(info)
         if dead:
             problem = f"workers {dead} died before the job finished"
-            # The graceful all-gather cannot complete without them. Tear down locally.
+            # The graceful all-gather cannot complete without them.
             with contextlib.suppress(Exception):
                 rpc.shutdown(graceful=False)
         elif not _bounded_shutdown(grace, graceful=True):

@@ -176,9 +176,8 @@ def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, 
 
 
 def _elastic_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
-    # torchrun's agent keeps one store for the whole job, across restarts, and torch's RPC files
-    # each worker's address under the same key on every attempt: a restarted worker would read
-    # the dead worker's address and fail to connect. A key prefix per attempt keeps them apart.
+    # torchrun's agent keeps one store across restarts, where a restarted worker would read the
+    # dead one's address under the same key: a key prefix per attempt keeps them apart.
     store, rank, world_size = next(rendezvous("env://?" + urlparse(url).query, **kwargs))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     yield PrefixStore(f"metadist/attempt_{attempt}", store), rank, world_size

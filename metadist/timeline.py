@@ -34,8 +34,7 @@ class PartitionRecord:
         end: When the worker finished it.
         bytes_out: Tensor bytes sent to the worker (0 in-process).
         bytes_in: Tensor bytes of the result.
-        gradients_sent: When a backward pass last sent the gradients of its result back
-            (remote partitions), else ``None``.
+        gradients_sent: When a backward pass last sent its result's gradients, else ``None``.
     """
 
     call: int
@@ -56,8 +55,7 @@ class Timeline:
 
     def __init__(self) -> None:
         self.partitions: list[PartitionRecord] = []
-        #: ``(worker, time)`` of every gradient request a backward pass sent (one per worker and
-        #: remote call reached, whatever the number of its partitions there).
+        #: ``(worker, time)`` of each gradient request sent (one per worker and call reached).
         self.gradient_requests: list[tuple[str, float]] = []
         self.calls = 0
         self._lock = threading.Lock()

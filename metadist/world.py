@@ -428,8 +428,7 @@ def barrier(
 
 def wait_all(futures: Iterable[Future[Any]]) -> None:
     """Block until every future is done, interruptibly by Ctrl-C (errors stay in the futures)."""
-    # torch's Future.wait blocks in C++, where the main thread never sees SIGINT. SimpleQueue.get
-    # is interruptible, and its put is a C function the future can call directly.
+    # torch's Future.wait blocks in C++, where SIGINT is never seen; SimpleQueue.get is not.
     pending = [future for future in futures if not future.done()]
     if not pending or threading.current_thread() is not threading.main_thread():
         # Only the main thread receives signals: elsewhere torch's own wait is cheaper.
@@ -450,11 +449,9 @@ def _wait(future: Future[R]) -> R:
     return future.wait()
 
 
-# OpenMP keeps its team size per thread: RPC handler threads (TensorPipe's pool) keep OpenMP's
-# default, one thread per core, unless OMP_NUM_THREADS was set before the process started
-# (torchrun sets it; srun, mpirun and multiprocessing do not), and contend with the node's other
-# processes. On 2 cores, one thread per process: a 12-task MAML step took 2.0-2.3 ms on a handler
-# thread, 1.5 ms on the main thread and 1.55 ms on the handler thread once aligned.
+# OpenMP keeps its team size per thread: RPC handler threads get one per core unless
+# OMP_NUM_THREADS was set at start (only torchrun sets it). On 2 cores, one thread per process: a
+# 12-task MAML step took 2.0-2.3 ms on a handler thread, 1.5 ms on the main thread, 1.55 aligned.
 _OPENMP = torch.backends.openmp.is_available()
 
 
