@@ -1,10 +1,9 @@
 """metadist: meta-learning and model-parallel PyTorch across processes with a few decorators.
 
-A layer over ``torch.distributed.rpc`` and distributed autograd whose names follow
-``torchopt.distributed``, so switching is a change of import. Data flows
-entry (:mod:`~metadist.launch`) → :mod:`~metadist.world` → :mod:`~metadist.partition` →
-remote call (:mod:`~metadist.api`, :mod:`~metadist.transport`) → :mod:`~metadist.reduce` →
-:mod:`~metadist.autograd` → :mod:`~metadist.optim`; :mod:`~metadist.timeline` records calls.
+A layer over ``torch.distributed.rpc`` and distributed autograd named after
+``torchopt.distributed``. Data flows :mod:`~metadist.launch` → :mod:`~metadist.world` →
+:mod:`~metadist.partition` → :mod:`~metadist.api` (:mod:`~metadist.transport`) →
+:mod:`~metadist.reduce` → :mod:`~metadist.autograd` → :mod:`~metadist.optim`.
 """
 
 from __future__ import annotations

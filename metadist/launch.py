@@ -394,12 +394,10 @@ def _run_in_world(
     if not isinstance(name, str) or not name:
         raise TypeError(f"worker_name_format must return a non-empty str, got {name!r}")
     if options is None:
-        # TensorPipe's shared-memory transport busy-polls: each idle worker burns a whole core
-        # (measured: 2.6 s of CPU per 3 s idle), which halves a CPU job with one worker per core.
-        # The TCP transport ("uv", over loopback on one node) waits in epoll instead. Tensors
-        # travel in that connection ("basic" channel): torch's default choice of channels was
-        # slower at every size measured on one node (round trip: 0.78 against 0.86 ms at 4 KB,
-        # 8.4 against 13.9 ms at 16 MB; benchmarks/bench_rpc_channels.py).
+        # TensorPipe's shared-memory transport busy-polls a core per idle worker (2.6 s of CPU
+        # per 3 s idle); TCP ("uv") waits in epoll. Tensors travel in that connection ("basic"):
+        # torch's default channels were slower at every size on one node (round trip 0.78 vs
+        # 0.86 ms at 4 KB, 8.4 vs 13.9 ms at 16 MB; benchmarks/bench_rpc_channels.py).
         options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
     timeout = float(options.rpc_timeout)
     binding, url = _listener_and_rendezvous(launch, timeout)
