@@ -1,10 +1,9 @@
 """metadist: meta-learning and model-parallel PyTorch across processes with a few decorators.
 
-A layer over ``torch.distributed.rpc`` and distributed autograd whose names follow
-``torchopt.distributed``, so switching is a change of import. Data flows
-entry (:mod:`~metadist.launch`) → :mod:`~metadist.world` → :mod:`~metadist.partition` →
-remote call (:mod:`~metadist.api`, :mod:`~metadist.transport`) → :mod:`~metadist.reduce` →
-:mod:`~metadist.autograd` → :mod:`~metadist.optim`; :mod:`~metadist.timeline` records calls.
+A layer over ``torch.distributed.rpc`` and distributed autograd named after
+``torchopt.distributed``. Data flows :mod:`~metadist.launch` → :mod:`~metadist.world` →
+:mod:`~metadist.partition` → :mod:`~metadist.api` (:mod:`~metadist.transport`) →
+:mod:`~metadist.reduce` → :mod:`~metadist.autograd` → :mod:`~metadist.optim`.
 """
 
 from __future__ import annotations
@@ -92,10 +91,10 @@ from metadist.partition import TensorDimensionPartitioner
 
 
 def is_available() -> bool:
-    """Whether torch has what metadist needs: ``torch.distributed``, RPC and distributed autograd.
+    """Whether this torch has ``torch.distributed``, RPC and distributed autograd.
 
     Returns:
-        ``True`` when all three are built into this torch.
+        ``True`` when all three are built in.
 
     Example:
         >>> import metadist

@@ -1,8 +1,5 @@
-"""Local filters for torch warnings that users of metadist can do nothing about.
-
-The filters apply only inside metadist's own calls (``with quiet_torch_warnings(): ...``), never to
-the user's whole process: a user who calls ``torch.jit.script`` directly still sees torch's notice.
-"""
+"""Filters for torch warnings users can do nothing about, applied only inside metadist's calls:
+a user who calls ``torch.jit.script`` directly still sees torch's notice."""
 
 from __future__ import annotations
 
@@ -12,8 +9,7 @@ from collections.abc import Iterator
 
 __all__ = ["quiet_torch_warnings"]
 
-# Message prefixes (regular expressions matched at the start of the message) of warnings that fire
-# inside torch while metadist drives it on the user's behalf.
+# Regular expressions matched at the start of warnings torch raises while metadist drives it.
 _MESSAGES = (
     # init_rpc gathers worker infos over its internal Gloo group through a deprecated code path.
     r"You are using a Backend .*ProcessGroupGloo.* as a ProcessGroup",

@@ -12,12 +12,7 @@ __all__ = ["RemoteError", "RemoteFailure", "is_timeout", "qualified_name", "reso
 
 
 def is_timeout(error: BaseException) -> bool:
-    """Whether ``error`` says a wait timed out: torch's RPC reports that only in its message.
-
-    Example:
-        >>> is_timeout(RuntimeError("RPC ran for more than set timeout (5 s)"))
-        True
-    """
+    """Whether ``error`` says a wait timed out: torch's RPC reports that only in its message."""
     if isinstance(error, TimeoutError):
         return True
     text = str(error).lower()
@@ -25,12 +20,7 @@ def is_timeout(error: BaseException) -> bool:
 
 
 def qualified_name(obj: Any) -> str:
-    """``module.qualname`` of a function or type (``repr`` for an object without them).
-
-    Example:
-        >>> qualified_name(ValueError)
-        'builtins.ValueError'
-    """
+    """``module.qualname`` of a function or type (``repr`` for an object without them)."""
     qualname = getattr(obj, "__qualname__", None)
     if qualname is None:
         return repr(obj)
@@ -38,12 +28,7 @@ def qualified_name(obj: Any) -> str:
 
 
 def resolve_qualified_name(module: str, qualname: str) -> Any:
-    """The object a module's attribute path names, or ``None`` (the module is not imported here).
-
-    Example:
-        >>> resolve_qualified_name("builtins", "ValueError") is ValueError
-        True
-    """
+    """The object a module's attribute path names, or ``None`` (the module is not imported here)."""
     found: Any = sys.modules.get(module)
     for part in qualname.split("."):
         found = getattr(found, part, None)
@@ -53,13 +38,11 @@ def resolve_qualified_name(module: str, qualname: str) -> Any:
 class RemoteError(RuntimeError):
     """A remote function failed and its exception type cannot be rebuilt on the caller.
 
-    When the remote exception's type is importable on the caller and accepts a single message
-    argument, metadist re-raises that type instead; either way the exception carries the
-    attributes below and its message names the worker, the partition and the remote traceback.
+    A type importable on the caller that takes one message is re-raised instead; either way the
+    exception carries the attributes below, and its message names worker, partition, traceback.
 
     Args:
-        message: The error message (metadist's include the remote traceback); the keyword
-            arguments set the attributes of the same names.
+        message: The error message; the keyword arguments set the attributes of the same names.
 
     Attributes:
         worker_name: Name of the worker the partition ran on.
@@ -86,13 +69,8 @@ class RemoteError(RuntimeError):
 
 @dataclasses.dataclass
 class RemoteFailure:
-    """An exception raised by a partition, in a form that always unpickles on the caller.
-
-    The exception object itself may not pickle (or its class may not exist on the caller), so a
-    worker returns this instead and the caller rebuilds the exception with :meth:`to_exception`.
-    ``stage`` says whether the arguments could not be decoded (``"decode"``), the function
-    raised (``"call"``) or its backward pass did (``"backward"``).
-    """
+    """A partition's exception in a form that always unpickles on the caller (the exception
+    itself may not); ``stage`` is ``"decode"`` (the arguments), ``"call"`` or ``"backward"``."""
 
     type_module: str
     type_qualname: str

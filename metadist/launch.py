@@ -1,11 +1,5 @@
-"""How a process joins a world: the entry decorator, from launcher environment to shutdown.
-
-:func:`auto_init_rpc` reads the launcher's variables (torchrun or a manual launch with its
-variables, ``srun``, ``mpirun``, or none: a world of 1), finds rank 0 and the interface to listen
-on (:mod:`metadist.network`), tunes the process for RPC's handler threads, starts RPC, and ends
-with a shutdown handshake that tells a finished worker from a dead one, which torch's graceful
-shutdown cannot do.
-"""
+"""How a process joins a world: launcher environment, rendezvous, RPC start, and a shutdown
+handshake that tells a finished worker from a dead one (torch's graceful shutdown cannot)."""
 
 from __future__ import annotations
 
@@ -58,46 +52,30 @@ def auto_init_rpc(
     rpc_backend_options: RpcBackendOptions | None = None,
     shutdown_timeout: float = 30.0,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Decorate the entry function of a job so that it runs inside an RPC world.
+    """Decorate a job's entry function so that it runs inside an RPC world.
 
-    Each call reads the launcher's environment (torchrun's, ``mpirun``'s, ``srun``'s; none:
-    a world of 1, see :func:`read_launch_environment`), starts RPC, waits for every worker,
-    runs ``worker_init_fn()``, waits again, runs the function on every rank, and shuts RPC down
-    in ``finally``: workers that are done keep serving requests until every worker is done.
-    Errors are recorded for torchelastic so that ``torchrun`` reports them. Inside a running
-    world (a nested call, or the program's own ``rpc.init_rpc``) the function just runs.
-
-    Single-node jobs listen on loopback only, whatever ``MASTER_ADDR`` resolves to; others on
-    the interface that routes to the master (:func:`master_address`), logged once per worker.
-    ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` you set always win.
+    Each call reads the launcher's environment (:func:`read_launch_environment`; none: a world
+    of 1), starts RPC, runs ``worker_init_fn()`` then the function on every rank, and shuts RPC
+    down once every worker is done (errors are recorded for ``torchrun``). Inside a running
+    world the function just runs. Single-node jobs listen on loopback only, others on the
+    interface that routes to the master; ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` win.
 
     Args:
-        worker_init_fn: Called on every worker after RPC starts and before the function (seed,
-            set the device, load data).
+        worker_init_fn: Called on every worker after RPC starts, before the function.
         worker_name_format: Names a worker from keyword arguments ``world_rank``,
             ``world_size``, ``local_rank``, ``local_world_size``.
         backend: RPC backend; ``None`` means TensorPipe.
-        rpc_backend_options: Options for the backend (timeouts, device maps); an ``init_method``
-            left at ``env://`` is replaced by metadist's rendezvous. ``None``: TensorPipe with
-            the TCP transport only (its shared-memory one busy-polls a core per worker),
-            tensors sent in the same connection (``_channels=["basic"]``, CPU tensors only).
-        shutdown_timeout: Seconds that calls still in flight may run once every worker has
-            finished the function; past it, shutdown raises ``RuntimeError`` instead of hanging.
-            Ctrl-C does not wait: RPC is torn down locally and the interrupt propagates.
+        rpc_backend_options: Backend options; an ``init_method`` of ``env://`` is replaced by
+            metadist's rendezvous. ``None``: TensorPipe over TCP, ``_channels=["basic"]`` (CPU).
+        shutdown_timeout: Seconds calls in flight may run once every worker has finished; past
+            it, shutdown raises ``RuntimeError``. Ctrl-C does not wait.
 
     Returns:
         A decorator for the entry function.
 
     Raises:
-        TypeError: ``worker_init_fn`` or ``worker_name_format`` is not callable.
-
-    Example:
-        >>> import metadist
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     return metadist.get_world_size()
-        >>> main()  # plain python: a world of 1
-        1
+        TypeError: An argument (or the decorated object) is not callable or not a number.
+        ValueError: ``shutdown_timeout`` is not positive.
     """
     if worker_init_fn is not None and not callable(worker_init_fn):
         raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
@@ -132,8 +110,6 @@ def auto_init_rpc(
 
 
 # The launcher's environment, read each time it is asked for (never cached at import)
-
-
 @dataclass(frozen=True)
 class LaunchEnvironment:
     """Which launcher started this process (``"torchrun"``, also for a manual launch with its
@@ -187,12 +163,7 @@ def _torchrun_info() -> WorldInfo:
 
 
 def tasks_per_node(spec: str) -> list[int]:
-    """The tasks on each node, in node order, from SLURM's ``SLURM_TASKS_PER_NODE`` syntax.
-
-    Example:
-        >>> tasks_per_node("2(x3),1")
-        [2, 2, 2, 1]
-    """
+    """The tasks on each node from SLURM's ``SLURM_TASKS_PER_NODE``: ``"2(x3),1"`` is 2, 2, 2, 1."""
     counts: list[int] = []
     for part in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
@@ -235,12 +206,9 @@ def _slurm_info() -> WorldInfo:
 
 
 def read_launch_environment() -> LaunchEnvironment:
-    """Read the launcher's variables now; ``ValueError`` names one that is malformed.
-
-    First match wins: torchrun's ``WORLD_SIZE`` (with ``RANK``, ``LOCAL_*``), Open MPI's
-    ``OMPI_COMM_WORLD_SIZE`` (set only for the processes ``mpirun`` starts, so it wins over the
-    SLURM allocation it may run in), ``srun``'s ``SLURM_PROCID`` and ``SLURM_NTASKS``, else 1.
-    """
+    """Read the launcher's variables now; ``ValueError`` names one that is malformed. First match
+    wins: torchrun's ``WORLD_SIZE``, Open MPI's ``OMPI_COMM_WORLD_SIZE`` (over the SLURM
+    allocation ``mpirun`` may run in), ``srun``'s ``SLURM_PROCID`` and ``SLURM_NTASKS``, else 1."""
     if "WORLD_SIZE" in os.environ:
         return LaunchEnvironment("torchrun", _torchrun_info())
     if "OMPI_COMM_WORLD_SIZE" in os.environ:
@@ -253,7 +221,6 @@ def read_launch_environment() -> LaunchEnvironment:
 
 
 # Where the workers meet: rank 0's address and port, per launcher
-
 #: ``srun`` jobs without ``MASTER_PORT`` rendezvous on port ``SLURM_PORT_BASE + SLURM_JOB_ID %
 #: 15000`` (15000-29999: below Linux's ephemeral range, so no outgoing connection holds it, and
 #: every task of a job computes the same port without talking to the others).
@@ -281,15 +248,8 @@ def _expand_host(pattern: str) -> list[str]:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand SLURM's compressed host list, e.g. ``node[01-04,07]``, in order.
-
-    Ranges keep the zero padding of their lower bound; several bracket groups in one name
-    expand to their product. ``ValueError`` quotes a list that is empty or malformed.
-
-    Example:
-        >>> expand_hostlist("node[01-03,07],r[1-2]n1")
-        ['node01', 'node02', 'node03', 'node07', 'r1n1', 'r2n1']
-    """
+    """Expand SLURM's compressed host list, e.g. ``node[01-04,07]``, in order (zero padding
+    kept; several bracket groups expand to their product); ``ValueError`` if malformed."""
     try:
         parts = re.split(r",(?![^\[]*\])", hostlist.strip())  # the commas outside brackets
         hosts = [host for part in parts for host in _expand_host(part)]
@@ -303,11 +263,9 @@ def expand_hostlist(hostlist: str) -> list[str]:
 def master_address(launcher: str) -> tuple[str, int]:
     """Where rank 0 of a ``launcher``'s job listens for the rendezvous: ``(host, port)``.
 
-    ``MASTER_ADDR`` and ``MASTER_PORT``, when set, always win. Otherwise torchrun and
-    ``mpirun`` need them (Open MPI does not say which host holds rank 0), and ``srun`` uses the
-    first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``), where SLURM places
-    task 0, and the port ``SLURM_PORT_BASE + SLURM_JOB_ID % 15000``. ``ValueError`` names a
-    needed variable that is missing or malformed.
+    ``MASTER_ADDR`` and ``MASTER_PORT`` win; torchrun and ``mpirun`` need them. ``srun`` uses
+    the first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``) and the port
+    ``SLURM_PORT_BASE + SLURM_JOB_ID % 15000``. ``ValueError`` names a bad or missing variable.
     """
     addr = os.environ.get("MASTER_ADDR", "")
     port = os.environ.get("MASTER_PORT", "")
@@ -361,9 +319,8 @@ def _listener_and_rendezvous(
         launch.launcher != "torchrun" or "LOCAL_WORLD_SIZE" in os.environ
     )
     if single_node:
-        # Every worker is on this node, so loopback reaches them all, whatever MASTER_ADDR is:
-        # `torchrun --standalone` sets it to the host's FQDN, which often resolves to a LAN
-        # address, and SLURM names the node; RPC must not listen there.
+        # Loopback reaches every worker, whatever MASTER_ADDR is (`torchrun --standalone` sets
+        # the FQDN, often a LAN address; SLURM names the node): RPC must not listen there.
         binding = network.choose_binding("127.0.0.1")
     else:
         try:
@@ -371,7 +328,6 @@ def _listener_and_rendezvous(
                 master_addr, multi_node=info.local_world_size < info.world_size
             )
         except ValueError:
-            # Interfaces the user chose are used as given: no need for metadist's own choice.
             if (user := network.user_binding()) is None:
                 raise
             binding = user
@@ -403,17 +359,13 @@ def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) 
     logger.warning("metadist: %s", message)
 
 
-# Process tuning for RPC's handler threads
-
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
 
 def _limit_malloc_arenas() -> None:
-    """Make RPC's handler threads allocate from glibc's main arena: glibc gives each new thread
-    its own arena, which hands freed memory back to the kernel and faults it in again on the next
-    call (a 4-task MAML forward took ~800 ms on an RPC thread, 600 ms in the kernel, against
-    175 ms with one arena). A user-set ``MALLOC_ARENA_MAX`` wins; ``METADIST_MALLOC_ARENA_MAX``
-    (``0``: leave glibc alone) sets the count."""
+    """Use one glibc malloc arena: a thread's own arena returns memory to the kernel and faults
+    it back in on each call (4-task MAML forward on an RPC thread: ~800 ms against 175 ms).
+    ``MALLOC_ARENA_MAX`` wins; ``METADIST_MALLOC_ARENA_MAX`` sets the count (``0``: glibc's)."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return
     raw = os.environ.get("METADIST_MALLOC_ARENA_MAX", "1")
@@ -442,12 +394,10 @@ def _run_in_world(
     if not isinstance(name, str) or not name:
         raise TypeError(f"worker_name_format must return a non-empty str, got {name!r}")
     if options is None:
-        # TensorPipe's shared-memory transport busy-polls: each idle worker burns a whole core
-        # (measured: 2.6 s of CPU per 3 s idle), which halves a CPU job with one worker per core.
-        # The TCP transport ("uv", over loopback on one node) waits in epoll instead. Tensors
-        # travel in that connection ("basic" channel): torch's default choice of channels was
-        # slower at every size measured on one node (round trip: 0.78 against 0.86 ms at 4 KB,
-        # 8.4 against 13.9 ms at 16 MB; benchmarks/bench_rpc_channels.py).
+        # TensorPipe's shared-memory transport busy-polls a core per idle worker (2.6 s of CPU
+        # per 3 s idle); TCP ("uv") waits in epoll. Tensors travel in that connection ("basic"):
+        # torch's default channels were slower at every size on one node (round trip 0.78 vs
+        # 0.86 ms at 4 KB, 8.4 vs 13.9 ms at 16 MB; benchmarks/bench_rpc_channels.py).
         options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
     timeout = float(options.rpc_timeout)
     binding, url = _listener_and_rendezvous(launch, timeout)
@@ -481,8 +431,6 @@ def _run_in_world(
     return result
 
 
-# Shutdown liveness: tell a worker that finished its job from one that died.
-
 # Every worker announces at rank 0 that its job is done, under this rendezvous key.
 _DONE = ("<done>",)
 
@@ -501,13 +449,10 @@ def _release(dead: list[str]) -> None:
 def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
     """Wait until every live worker finished its job; return the names of workers found dead.
 
-    torch's graceful shutdown waits forever for a worker that died. Here each worker announces
-    that it is done to rank 0, which holds the handshake and pings the workers that have not
-    finished: a peer whose connection is gone (killed, crashed) is dead; one that is alive but
-    busy (a ping timing out) is waited for, since it may train for hours. A dead peer does not
-    end the wait of the others: the survivors keep serving rank 0's calls until every live
-    worker is done, and then rank 0 releases them, naming the dead. The other workers ping
-    rank 0 alone, so the pings grow with the world, not with its square.
+    torch's graceful shutdown waits forever for a dead worker. Rank 0 holds the handshake and
+    pings unfinished workers: a lost connection is dead, a ping timing out is busy (waited for).
+    Survivors serve until every live worker is done, then rank 0 releases them. Others ping
+    rank 0 alone, so pings grow with the world, not its square.
     """
     _RELEASED.clear()
     future = world.arrive_async(_DONE, info.world_rank, expected=info.world_size, timeout=0)
@@ -585,9 +530,8 @@ def _bounded_shutdown(grace: float, *, graceful: bool) -> bool:
 
 
 def _abort() -> None:
-    """Ctrl-C (torchrun forwards SIGINT to every worker): tear RPC down locally, now; peers still
-    waiting on this worker see it as dead and stop too. A shutdown already running (Ctrl-C
-    during the graceful one) is given the time instead of starting a second one."""
+    """Ctrl-C: tear RPC down locally, now (peers see this worker as dead); a shutdown already
+    running is given the time instead of starting a second one."""
     world.leave_world()
     deadline = time.monotonic() + ABORT_GRACE
     if not any(thread.is_alive() for thread in _SHUTDOWN_THREAD):
@@ -608,7 +552,7 @@ def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
         dead = _finish(info)
         if dead:
             problem = f"workers {dead} died before the job finished"
-            # The graceful all-gather cannot complete without them. Tear down locally.
+            # The graceful all-gather cannot complete without them.
             with contextlib.suppress(Exception):
                 rpc.shutdown(graceful=False)
         elif not _bounded_shutdown(grace, graceful=True):

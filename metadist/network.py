@@ -1,10 +1,6 @@
-"""Where RPC listens and how workers rendezvous: what :mod:`metadist.launch` calls.
-
-RPC is unauthenticated and unpickles what it receives, so a single-node run must not listen on a
-public address. TensorPipe (``TP_SOCKET_IFNAME``) and its Gloo group (``GLOO_SOCKET_IFNAME``) are
-pinned to the chosen interface; for loopback runs rank 0 serves the rendezvous store from a socket
-bound to ``127.0.0.1`` (torch's binds every interface; torchrun's agent holds its own store).
-"""
+"""Where RPC listens and how workers rendezvous. RPC is unauthenticated and unpickles what it
+receives, so TensorPipe and Gloo are pinned to the chosen interface (``*_SOCKET_IFNAME``), and a
+loopback run's rendezvous store listens on ``127.0.0.1`` only (torch's binds every interface)."""
 
 from __future__ import annotations
 
@@ -102,13 +98,10 @@ def default_route_interface() -> str | None:
 
 
 def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
-    """Pick the interface to listen on for a job whose rank 0 is at ``master_addr``.
-
-    Loopback for a loopback master of a single-node job, else the interface that routes to the
-    master. On the master node of a ``multi_node`` job ``MASTER_ADDR`` often resolves to a
-    loopback address (``127.0.1.1`` on Debian), which would lock the other nodes out: the
-    default route's interface is used instead. ``ValueError`` when no interface fits.
-    """
+    """Pick the interface to listen on for a job whose rank 0 is at ``master_addr``: loopback
+    for a loopback master, else the one that routes there. A ``multi_node`` master whose name
+    resolves to loopback (``127.0.1.1`` on Debian) uses the default route's interface instead,
+    not to lock the other nodes out. ``ValueError`` when no interface fits."""
     resolved = _resolve(master_addr)
     loopback = ipaddress.ip_address(resolved).is_loopback
     if loopback and multi_node:
@@ -133,8 +126,8 @@ def choose_binding(master_addr: str, *, multi_node: bool = False) -> Binding:
 
 
 def user_binding() -> Binding | None:
-    """The interface the user set in both ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` (it
-    always wins), with its IPv4 address or ``"unknown"``; ``None`` unless both are set."""
+    """The interface the user set in ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` (``None``
+    unless both are)."""
     tp = os.environ.get("TP_SOCKET_IFNAME")
     if not tp or not os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
@@ -165,8 +158,6 @@ def free_loopback_port() -> int:
 
 
 # Rendezvous handlers: torch's env:// and tcp:// stores listen on every interface.
-
-
 def _local_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, int]]:
     # A world of 1 rendezvous with itself: an in-process store, no listening socket.
     yield HashStore(), 0, 1
@@ -185,9 +176,8 @@ def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, 
 
 
 def _elastic_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
-    # torchrun's agent keeps one store for the whole job, across restarts, and torch's RPC files
-    # each worker's address under the same key on every attempt: a restarted worker would read
-    # the dead worker's address and fail to connect. A key prefix per attempt keeps them apart.
+    # torchrun's agent keeps one store across restarts, where a restarted worker would read the
+    # dead one's address under the same key: a key prefix per attempt keeps them apart.
     store, rank, world_size = next(rendezvous("env://?" + urlparse(url).query, **kwargs))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     yield PrefixStore(f"metadist/attempt_{attempt}", store), rank, world_size

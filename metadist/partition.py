@@ -1,9 +1,5 @@
-"""Partitioners: split the arguments of a remote call into per-worker pieces.
-
-A partitioner is called like the remote function, ``partitioner(*args, **kwargs)``, and returns a
-list of ``(worker_id, args, kwargs)`` triples, one per partition: here a :class:`Partitions`,
-which also holds the batch size of each partition for :func:`metadist.mean_reducer`.
-"""
+"""Partitioners: called like the remote function, they return one ``(worker_id, args, kwargs)``
+per partition; here a :class:`Partitions`, with each partition's batch size for the reducer."""
 
 from __future__ import annotations
 
@@ -38,16 +34,9 @@ class Partitions(list[Partition]):
         items: The ``(worker_id, args, kwargs)`` triples, in partition order.
 
     Attributes:
-        sizes: Number of batch items in each partition (partition order), or ``None`` when
-            unknown. :func:`metadist.mean_reducer` uses it to weight partition results.
-        schedule: ``"static"``: each partition runs on its worker; ``"dynamic"``: a
-            synchronous call hands each partition to whichever of the listed workers frees up
-            first (the worker ids are then only the set of workers to use).
-
-    Example:
-        >>> parts = Partitions([(0, (), {}), (1, (), {})], sizes=(3, 2))
-        >>> len(parts), parts.sizes
-        (2, (3, 2))
+        sizes: Batch items per partition, or ``None``; :func:`metadist.mean_reducer` weights by it.
+        schedule: ``"static"``: each partition runs on its worker; ``"dynamic"``: a synchronous
+            call hands each to whichever listed worker frees up first.
     """
 
     def __init__(
@@ -68,17 +57,8 @@ def _check_schedule(schedule: Any, owner: str) -> str:
 
 
 def split_sizes(n: int, k: int) -> list[int]:
-    """Split ``n`` items into ``min(n, k)`` contiguous chunks whose sizes differ by at most 1.
-
-    Larger chunks come first (TorchOpt puts the whole remainder on the last worker instead);
-    ``ValueError`` if ``n`` or ``k`` is smaller than 1.
-
-    Example:
-        >>> split_sizes(10, 4)
-        [3, 3, 2, 2]
-        >>> split_sizes(2, 3)
-        [1, 1]
-    """
+    """Split ``n`` items into ``min(n, k)`` chunk sizes differing by at most 1, larger first
+    (TorchOpt puts the whole remainder on the last worker); ``ValueError`` if ``n`` or ``k`` < 1."""
     if n < 1 or k < 1:
         raise ValueError(f"split_sizes needs n >= 1 and k >= 1, got n={n}, k={k}")
     m = min(n, k)
@@ -88,19 +68,15 @@ def split_sizes(n: int, k: int) -> list[int]:
 
 @dataclasses.dataclass(repr=False, unsafe_hash=True, slots=True)
 class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
-    """Split every tensor leaf of the arguments along one dimension (see :func:`dim_partitioner`).
-
-    Instances are picklable, so a partitioner can be sent to another worker, e.g. for nested
-    remote calls.
+    """Split every tensor leaf of the arguments along one dimension (see :func:`dim_partitioner`);
+    picklable, so it can be sent to another worker (nested remote calls).
 
     Args:
         dim: The dimension to split every tensor leaf along.
-        exclusive: One item per partition (round-robin over the workers) instead of one
-            contiguous, balanced chunk per worker.
+        exclusive: One item per partition (round-robin) instead of one chunk per worker.
         keepdim: With ``exclusive=True``, ``False`` removes the split dimension.
         workers: Worker ranks or names to use, in order (default: all workers).
-        schedule: ``"static"`` (round-robin, fixed before anything runs) or ``"dynamic"`` (each
-            item goes to the next worker that frees up; needs ``exclusive=True``).
+        schedule: ``"static"`` or ``"dynamic"`` (needs ``exclusive=True``).
 
     Raises:
         TypeError: An argument has the wrong type.
@@ -163,12 +139,7 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         return dataclasses.astuple(self) == dataclasses.astuple(other)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Partitions:
-        """Partition ``args``/``kwargs`` over the configured workers (all workers by default).
-
-        Raises:
-            ValueError: See :meth:`split`; or an unknown worker (the message names the entry,
-                e.g. ``workers[1]=3``, and lists the known workers).
-        """
+        """Partition ``args``/``kwargs`` over the configured workers (all workers by default)."""
         if self.workers is None:
             worker_ids: list[int] = list(range(get_world_size()))
         else:
@@ -179,8 +150,7 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         try:
             return get_worker_id(worker)
         except ValueError as err:
-            # get_worker_id cannot know which argument it was given: name it here, keeping its
-            # message (the known workers) whole.
+            # Name the entry here, keeping get_worker_id's message (the known workers) whole.
             raise ValueError(f"dim_partitioner: workers[{index}]={worker!r}: {err}") from None
 
     def split(
@@ -197,16 +167,8 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
             The partitions, with :attr:`Partitions.sizes`.
 
         Raises:
-            ValueError: No tensor argument, an empty batch, ``dim`` out of range for a tensor,
-                or tensors whose sizes along ``dim`` differ (the message names the arguments).
-
-        Example:
-            >>> import torch
-            >>> parts = DimPartitioner(1, exclusive=True, keepdim=False).split(
-            ...     (torch.zeros(4, 3),), {}, worker_ids=[0, 1]
-            ... )
-            >>> [(wid, tuple(args[0].shape)) for wid, args, _ in parts]
-            [(0, (4,)), (1, (4,)), (0, (4,))]
+            ValueError: No tensor argument, an empty batch, ``dim`` out of range, or tensors
+                whose sizes along ``dim`` differ (the message names the arguments).
         """
         if not worker_ids:
             raise ValueError("dim_partitioner: there must be at least one worker")
@@ -219,7 +181,6 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         # tree_flatten: a test on registered types misses namedtuples (pytree matches them
         # structurally) and would copy them whole to every worker.
         if all(tree_is_leaf(a) for a in args) and all(tree_is_leaf(v) for v in kwargs.values()):
-            # No containers (the common case): split without pytrees.
             keys, n_args = list(kwargs), len(args)
             leaves = [*args, *kwargs.values()]
 
@@ -242,8 +203,7 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
     def _columns(
         self, leaves: list[Any], name: Callable[[int], str], n_workers: int
     ) -> tuple[list[Sequence[Any]], list[int]]:
-        """Each leaf's value in every partition (its pieces, or itself replicated), and the
-        partition sizes. ``name(i)`` names leaf ``i`` for messages."""
+        """Each leaf's value in every partition (pieces, or replicated), and the partition sizes."""
         dims: list[int | None] = []
         batch, first = 0, -1  # the batch size, and the leaf that set it
         for index, leaf in enumerate(leaves):
@@ -299,21 +259,15 @@ def dim_partitioner(
     workers: Sequence[int | str] | None = None,
     schedule: str = "static",
 ) -> DimPartitioner:
-    """Make a partitioner that splits every tensor argument along ``dim``.
+    """Make a partitioner that splits every tensor leaf of the arguments along ``dim``; other
+    leaves (numbers, modules, ``nn.Parameter``) are replicated to every partition.
 
-    Tensor leaves of the (nested) arguments are split; everything else — numbers, modules,
-    ``nn.Parameter`` leaves — is replicated to every partition.
-
-    * ``exclusive=False``: one contiguous chunk per worker, sizes differing by at most 1 (the
-      first ``n % workers`` chunks get one more item). With fewer items than workers there are
-      fewer partitions; no partition is empty.
-    * ``exclusive=True``: one item per partition, assigned to workers round-robin;
-      ``keepdim=False`` removes the split dimension (``(T, B, ...)`` becomes ``T`` tensors of
-      shape ``(B, ...)``).
+    * ``exclusive=False``: one contiguous chunk per worker, sizes differing by at most 1, larger
+      first; fewer items than workers give fewer partitions, never an empty one.
+    * ``exclusive=True``: one item per partition, round-robin; ``keepdim=False`` removes the
+      split dimension.
     * ``schedule="dynamic"`` (with ``exclusive=True``): a synchronous call hands each item to
-      the next worker that frees up (one in flight per worker; two or three inside a
-      distributed autograd context), instead of fixing the round-robin assignment before
-      anything runs; for items of uneven cost. Results are reduced in item order either way.
+      the next worker that frees up, for items of uneven cost. Results keep item order.
 
     Args:
         dim: The dimension to split (negative counts from the end).
@@ -327,14 +281,8 @@ def dim_partitioner(
 
     Raises:
         TypeError: An argument has the wrong type.
-        ValueError: ``keepdim=False`` without ``exclusive=True``, empty ``workers``, or
-            ``schedule="dynamic"`` without ``exclusive=True``.
-
-    Example:
-        >>> import torch
-        >>> parts = dim_partitioner(0).split((torch.arange(7),), {}, worker_ids=[0, 1, 2])
-        >>> [len(args[0]) for _, args, _ in parts], parts.sizes
-        ([3, 2, 2], (3, 2, 2))
+        ValueError: ``keepdim=False`` or ``schedule="dynamic"`` without ``exclusive=True``, or
+            empty ``workers``.
     """
     return DimPartitioner(
         dim, exclusive=exclusive, keepdim=keepdim, workers=workers, schedule=schedule
@@ -345,9 +293,7 @@ _BATCH = DimPartitioner(0)
 
 
 def batch_partitioner(*args: Any, **kwargs: Any) -> Partitions:
-    """Split every tensor argument along dim 0 over all workers (``dim_partitioner(0)``).
-
-    This is the default partitioner of :func:`metadist.remote_async_call`.
+    """Split every tensor argument along dim 0 over all workers: the default partitioner.
 
     Args:
         *args: Positional arguments of the remote function.
@@ -358,25 +304,13 @@ def batch_partitioner(*args: Any, **kwargs: Any) -> Partitions:
 
     Raises:
         ValueError: See :meth:`DimPartitioner.split`.
-
-    Example:
-        >>> import torch
-        >>> import metadist
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     return [len(args[0]) for _, args, _ in batch_partitioner(torch.zeros(5, 2))]
-        >>> main()  # a world of 1 under plain python
-        [5]
     """
     return _BATCH(*args, **kwargs)
 
 
 class TensorDimensionPartitioner(DimPartitioner):
-    """:class:`DimPartitioner` under ``torchopt.distributed``'s name and constructor defaults.
-
-    As in TorchOpt, ``dim`` is required and ``keepdim`` defaults to ``False``, so a
-    non-exclusive partitioner must pass ``keepdim=True``; the split itself is metadist's
-    (balanced chunks, picklable).
+    """:class:`DimPartitioner` under TorchOpt's name and defaults: ``dim`` is required and
+    ``keepdim`` defaults to ``False`` (a non-exclusive one must pass ``keepdim=True``).
 
     Args:
         dim: The dimension to split every tensor leaf along.

@@ -1,9 +1,5 @@
-"""Reducers: combine the per-partition results of a remote call into one value.
-
-A reducer is any callable ``reducer(results) -> value`` taking the list of partition results in
-partition order (a :class:`PartitionResults`, with the partition sizes when known). The reducers
-here are pytree-aware: a task returning ``(loss, accuracy)`` or a dict is reduced leaf by leaf.
-"""
+"""Reducers: ``reducer(results) -> value`` over the partition results in partition order (a
+:class:`PartitionResults`). These reduce pytrees (a tuple, a dict) leaf by leaf."""
 
 from __future__ import annotations
 
@@ -29,13 +25,7 @@ class PartitionResults(list[Any]):
 
     Raises:
         TypeError: ``sizes`` is not a sequence of ints.
-        ValueError: ``sizes`` does not have one positive size per result (a weighted mean
-            would silently be wrong).
-
-    Example:
-        >>> results = PartitionResults([1.0, 4.0], sizes=(3, 1))
-        >>> mean_reducer(results)
-        1.75
+        ValueError: ``sizes`` does not have one positive size per result.
     """
 
     def __init__(self, items: Sequence[Any] = (), sizes: Sequence[int] | None = None) -> None:
@@ -46,11 +36,8 @@ class PartitionResults(list[Any]):
 
 
 def check_sizes(sizes: Any, count: int, name: str, noun: str = "result") -> tuple[int, ...]:
-    """``sizes`` as a tuple of ``count`` positive ints, else an error naming them ``name``.
-
-    Wrong sizes would silently skew a size-weighted mean, so they are refused where they enter:
-    here, for both :class:`PartitionResults` and a partitioner's ``Partitions.sizes``.
-    """
+    """``sizes`` as ``count`` positive ints, else an error naming ``name``: wrong sizes would
+    silently skew a weighted mean."""
     if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
         raise TypeError(f"{name} must be a sequence of ints or None, got {sizes!r}")
     try:  # numpy and 0-dim tensor integers are fine, floats and bools are not
@@ -114,12 +101,9 @@ def _stacked(values: list[Any], where: Callable[[], str], name: str) -> torch.Te
 
 
 def mean_reducer(results: Sequence[Any]) -> Any:
-    """Average partition results leaf by leaf, weighted by partition size when known.
-
-    With :func:`metadist.dim_partitioner` the partitions record their sizes, so the mean of
-    per-partition means over an unevenly split batch equals the full-batch mean (TorchOpt averages
-    the partition means unweighted, which biases toward the smaller partitions). A plain list, or
-    equal sizes, gives the unweighted mean. Integer tensors are averaged in the default float dtype.
+    """Average partition results leaf by leaf, weighted by partition size when known, so the mean
+    of per-partition means over an uneven split is the full-batch mean (TorchOpt's is
+    unweighted). Integer tensors are averaged in the default float dtype.
 
     Args:
         results: Partition results (all with the same pytree structure).
@@ -130,11 +114,6 @@ def mean_reducer(results: Sequence[Any]) -> Any:
     Raises:
         ValueError: No results, or results with different structures or shapes.
         TypeError: A leaf mixes tensors and numbers, or is neither.
-
-    Example:
-        >>> import torch
-        >>> mean_reducer([(torch.tensor(1.0), 2.0), (torch.tensor(3.0), 4.0)])
-        (tensor(2.), 3.0)
     """
     sizes = getattr(results, "sizes", None)
     weights = None  # equal sizes: the unweighted mean
@@ -172,11 +151,6 @@ def sum_reducer(results: Sequence[Any]) -> Any:
     Raises:
         ValueError: No results, or results with different structures or shapes.
         TypeError: A leaf mixes tensors and numbers, or is neither.
-
-    Example:
-        >>> import torch
-        >>> sum_reducer([{"n": 1, "x": torch.ones(2)}, {"n": 2, "x": torch.ones(2)}])
-        {'n': 3, 'x': tensor([2., 2.])}
     """
 
     def combine(values: list[Any], where: Callable[[], str]) -> Any:
@@ -187,10 +161,8 @@ def sum_reducer(results: Sequence[Any]) -> Any:
 
 
 def cat_reducer(results: Sequence[Any], dim: int = 0) -> Any:
-    """Concatenate partition results leaf by leaf along ``dim`` (undoes a chunked batch split).
-
-    Non-tensor leaves are collected into a list in partition order. For another ``dim`` pass
-    ``functools.partial(cat_reducer, dim=1)`` as the reducer.
+    """Concatenate partition results leaf by leaf along ``dim`` (undoes a chunked batch split);
+    non-tensor leaves become lists. Pass ``functools.partial(cat_reducer, dim=1)`` for dim 1.
 
     Args:
         results: Partition results (all with the same pytree structure).
@@ -201,19 +173,13 @@ def cat_reducer(results: Sequence[Any], dim: int = 0) -> Any:
 
     Raises:
         ValueError: No results, different structures, or shapes that do not concatenate.
-
-    Example:
-        >>> import torch
-        >>> cat_reducer([torch.zeros(2, 3), torch.ones(1, 3)]).shape
-        torch.Size([3, 3])
     """
     return _join(results, "cat_reducer", "concatenate", torch.cat, dim)
 
 
 def stack_reducer(results: Sequence[Any], dim: int = 0) -> Any:
-    """Stack partition results leaf by leaf along a new dimension ``dim``.
-
-    Non-tensor leaves are collected into a list in partition order.
+    """Stack partition results leaf by leaf along a new dimension ``dim``; non-tensor leaves
+    become lists in partition order.
 
     Args:
         results: Partition results (all with the same pytree structure).
@@ -224,11 +190,6 @@ def stack_reducer(results: Sequence[Any], dim: int = 0) -> Any:
 
     Raises:
         ValueError: No results, different structures, or different shapes.
-
-    Example:
-        >>> import torch
-        >>> stack_reducer([torch.zeros(3), torch.ones(3)]).shape
-        torch.Size([2, 3])
     """
     return _join(results, "stack_reducer", "stack", torch.stack, dim)
 

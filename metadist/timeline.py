@@ -1,21 +1,8 @@
 """An opt-in timeline of remote calls: where each partition ran, when, and how many bytes moved.
 
-While :func:`record` is open, every remote call made in this process notes, per partition, the
-worker, when the caller sent it and got its result, when the worker started and finished the
-function, the tensor bytes each way, and when its gradients left for the worker in a backward
-pass. :meth:`Timeline.save` writes Chrome trace JSON (open it in ``chrome://tracing`` or
+While :func:`record` is open, every remote call of this process notes a :class:`PartitionRecord`
+per partition. :meth:`Timeline.save` writes Chrome trace JSON (``chrome://tracing`` or
 https://ui.perfetto.dev); :meth:`Timeline.summary` prints one screen per worker.
-
-Example:
-    >>> import torch
-    >>> import metadist
-    >>> @metadist.auto_init_rpc()
-    ... def main():
-    ...     with record() as timeline:
-    ...         metadist.remote_sync_call(torch.square, args=(torch.arange(4.0),))
-    ...     return [(e.worker, e.partition) for e in timeline.partitions]
-    >>> main()
-    [('worker0', 0)]
 """
 
 from __future__ import annotations
@@ -47,8 +34,7 @@ class PartitionRecord:
         end: When the worker finished it.
         bytes_out: Tensor bytes sent to the worker (0 in-process).
         bytes_in: Tensor bytes of the result.
-        gradients_sent: When a backward pass last sent the gradients of its result back
-            (remote partitions), else ``None``.
+        gradients_sent: When a backward pass last sent its result's gradients, else ``None``.
     """
 
     call: int
@@ -69,8 +55,7 @@ class Timeline:
 
     def __init__(self) -> None:
         self.partitions: list[PartitionRecord] = []
-        #: ``(worker, time)`` of every gradient request a backward pass sent (one per worker and
-        #: remote call reached, whatever the number of its partitions there).
+        #: ``(worker, time)`` of each gradient request sent (one per worker and call reached).
         self.gradient_requests: list[tuple[str, float]] = []
         self.calls = 0
         self._lock = threading.Lock()
@@ -93,12 +78,8 @@ class Timeline:
         return record
 
     def trace(self) -> dict[str, Any]:
-        """The timeline as a Chrome trace (``{"traceEvents": [...]}``), times in microseconds.
-
-        Each worker is a process; each partition's run on its worker is a complete event on
-        the thread named after its call, with its caller-side round trip and bytes as
-        arguments; gradients leaving for a worker are instant events.
-        """
+        """The timeline as a Chrome trace (``{"traceEvents": [...]}``): a process per worker, a
+        thread per call, an event per partition run, instant events for gradients sent."""
         workers = sorted({p.worker for p in self.partitions})
         pid = {w: i for i, w in enumerate(workers)}
         origin = min((p.sent for p in self.partitions), default=0.0)

@@ -1,10 +1,5 @@
-"""The world: who this worker is, who the others are, and how to wait for them.
-
-Inside a running RPC world (the one :func:`metadist.auto_init_rpc` started, or one the program
-started with ``torch.distributed.rpc.init_rpc``) the answers are that world's. Elsewhere they
-come from the launcher's environment, read at call time (see
-:func:`metadist.launch.read_launch_environment`); a plain process is rank 0 of a world of 1.
-"""
+"""Who this worker is, who the others are, and how to wait for them: the running RPC world's
+answers (metadist's or the program's own ``rpc.init_rpc``), else the launcher's environment."""
 
 from __future__ import annotations
 
@@ -69,11 +64,6 @@ class WorldInfo(NamedTuple):
         world_size: Number of workers in the job.
         local_rank: Rank of this worker on its node, in ``[0, local_world_size)``.
         local_world_size: Number of workers on this node.
-
-    Example:
-        >>> info = WorldInfo(world_rank=1, world_size=4, local_rank=1, local_world_size=2)
-        >>> info.rank, info.worker_name
-        (1, 'worker1')
     """
 
     world_rank: int
@@ -95,8 +85,7 @@ class WorldInfo(NamedTuple):
 def default_worker_name_format(
     world_rank: int, world_size: int, local_rank: int, local_world_size: int
 ) -> str:
-    """Name workers ``worker0 … workerN-1``, zero-padded to the width of ``world_size`` (as in
-    TorchOpt) so that name order equals rank order.
+    """Name workers ``worker0 … workerN-1``, zero-padded as in TorchOpt (``worker03`` of 12).
 
     Args:
         world_rank: Global rank of the worker.
@@ -106,18 +95,12 @@ def default_worker_name_format(
 
     Returns:
         The worker name.
-
-    Example:
-        >>> default_worker_name_format(3, 12, 0, 1)
-        'worker03'
     """
     del local_rank, local_world_size
     return f"worker{world_rank:0{len(str(world_size))}d}"
 
 
 # The running world
-
-
 class _Runtime:
     """What metadist knows about one running RPC world; a new world gets a new one (its token)."""
 
@@ -137,8 +120,7 @@ _ADOPT_LOCK = threading.Lock()
 
 
 def _running_rpc_agent() -> Any | None:
-    """torch's RPC agent of this process, or ``None`` when RPC is not running (private torch API:
-    nothing public lists a world's workers or tells a restarted world from the old one;
+    """torch's RPC agent, or ``None`` (private API: nothing public lists a world's workers;
     tests/test_interop.py fails loudly if torch renames it)."""
     from torch.distributed.rpc import api
 
@@ -197,9 +179,8 @@ def in_rpc_world() -> bool:
 
 
 def join_world(info: WorldInfo, own_name: str, timeout: float) -> None:
-    """Describe the world RPC was just started in (every worker, once, after init): every
-    worker's name, gathered at rank 0 within ``timeout`` (also :func:`barrier`'s default), so
-    that lookups need no call. ``ValueError`` when two workers have the same name."""
+    """Gather every worker's name at rank 0 once after init, so that lookups need no call
+    (``timeout`` is also :func:`barrier`'s default); ``ValueError`` on duplicate names."""
     global _RUNTIME
     runtime = _RUNTIME = _Runtime(info, timeout, ())
     future = arrive_async(
@@ -221,8 +202,7 @@ def leave_world() -> None:
 
 
 def world_token() -> object:
-    """An object that identifies the running world (a restarted world gets a new one), for caches
-    whose entries must not outlive it; ``RuntimeError`` outside a world."""
+    """An object that identifies the running world, for caches that must not outlive it."""
     return _runtime("metadist.world.world_token")
 
 
@@ -232,14 +212,11 @@ def require_rpc(api_name: str) -> None:
 
 
 # Who am I, who are the others
-
-
 def get_world_info() -> WorldInfo:
     """Return this worker's ranks and sizes: the running world's, else the launcher's.
 
     Returns:
-        A :class:`WorldInfo`; outside any launcher, rank 0 of a world of 1. A malformed
-        launcher variable raises ``ValueError``.
+        A :class:`WorldInfo`; outside any launcher, rank 0 of a world of 1.
     """
     runtime = _current_runtime()
     if runtime is not None:
@@ -296,11 +273,6 @@ def get_worker_names() -> tuple[str, ...]:
 
     Raises:
         RuntimeError: RPC is not running (see :func:`metadist.auto_init_rpc`).
-
-    Example:
-        >>> import metadist
-        >>> metadist.auto_init_rpc()(get_worker_names)()  # a world of 1
-        ('worker0',)
     """
     return _runtime("metadist.get_worker_names").names
 
@@ -362,10 +334,8 @@ def _known_workers(world_size: int) -> str:
     return f"known worker ranks are 0..{world_size - 1}"
 
 
-# Waiting for the others: rendezvous at a coordinator worker, over public RPC APIs only.
-#
-# Every member sends (key, member, value) to the coordinator; the coordinator's handler returns a
-# future that completes once all expected members arrived, so no RPC thread blocks while waiting.
+# Rendezvous: each member sends (key, member, value) to a coordinator, whose handler returns a
+# future completed once all expected members arrived, so no RPC thread blocks while waiting.
 
 _PENDING: dict[tuple[Any, ...], tuple[dict[Any, Any], Future[dict[Any, Any]]]] = {}
 _PENDING_LOCK = threading.Lock()
@@ -394,14 +364,12 @@ def arrive_async(
     coordinator: str | int = 0,
 ) -> Future[dict[Any, Any]]:
     """Announce ``member`` (with ``value``) at the rendezvous ``key`` held by ``coordinator``: a
-    future of ``{member: value}`` that completes once ``expected`` members arrived, or fails after
-    ``timeout`` seconds (``0`` waits forever). :func:`barrier` and the shutdown handshake use it."""
+    future of ``{member: value}`` once ``expected`` members arrived (``timeout=0``: no limit)."""
     return rpc.rpc_async(coordinator, _arrive, args=(key, expected, member, value), timeout=timeout)
 
 
 def arrived_members(key: tuple[Any, ...]) -> frozenset[Any]:
-    """The members that arrived so far at a rendezvous this worker coordinates (none once
-    it completed, or if it never started here)."""
+    """The members that arrived so far at an incomplete rendezvous this worker coordinates."""
     with _PENDING_LOCK:
         entry = _PENDING.get(key)
         return frozenset(entry[0]) if entry is not None else frozenset()
@@ -410,22 +378,18 @@ def arrived_members(key: tuple[Any, ...]) -> frozenset[Any]:
 def barrier(
     worker_names: Iterable[str | int] | None = None, *, timeout: float | None = None
 ) -> None:
-    """Block until every listed worker (default: all) has called ``barrier`` with the same list.
-
-    Unlike TorchOpt's, a failure (a worker that never arrives, a dead peer) raises.
+    """Block until every listed worker has called ``barrier`` with the same list; unlike
+    TorchOpt's, a failure (a worker that never arrives, a dead peer) raises.
 
     Args:
-        worker_names: Names or ranks of the workers to wait for, this worker among them;
-            ``None`` means all workers.
-        timeout: Seconds to wait; ``None`` uses the running world's RPC timeout
-            (``rpc_backend_options.rpc_timeout``, 60 s unless configured); ``0`` waits forever.
+        worker_names: Names or ranks to wait for, this worker among them; ``None``: all.
+        timeout: Seconds; ``None``: the world's RPC timeout (60 s by default); ``0``: forever.
 
     Raises:
         RuntimeError: RPC is not running, or a peer failed.
         TimeoutError: Not every worker arrived within ``timeout`` seconds.
         TypeError: ``worker_names`` is a single name or rank, or ``timeout`` is not a number.
-        ValueError: Unknown workers, an empty list, this worker is not in the list, or a
-            negative ``timeout``.
+        ValueError: Unknown, no or missing own worker in the list, or a negative ``timeout``.
     """
     runtime = _runtime("metadist.barrier")
     group = runtime.names
@@ -463,10 +427,8 @@ def barrier(
 
 
 def wait_all(futures: Iterable[Future[Any]]) -> None:
-    """Block until every future is done, in a wait that Ctrl-C can interrupt (errors are not
-    raised here: read them from each future afterwards)."""
-    # torch's Future.wait blocks in C++, where the main thread never sees SIGINT. SimpleQueue.get
-    # is interruptible, and its put is a C function the future can call directly.
+    """Block until every future is done, interruptibly by Ctrl-C (errors stay in the futures)."""
+    # torch's Future.wait blocks in C++, where SIGINT is never seen; SimpleQueue.get is not.
     pending = [future for future in futures if not future.done()]
     if not pending or threading.current_thread() is not threading.main_thread():
         # Only the main thread receives signals: elsewhere torch's own wait is cheaper.
@@ -487,25 +449,20 @@ def _wait(future: Future[R]) -> R:
     return future.wait()
 
 
-# OpenMP keeps its team size per thread: RPC handler threads (TensorPipe's pool) keep OpenMP's
-# default, one thread per core, unless OMP_NUM_THREADS was set before the process started
-# (torchrun sets it; srun, mpirun and multiprocessing do not), and contend with the node's other
-# processes. On 2 cores, one thread per process: a 12-task MAML step took 2.0-2.3 ms on a handler
-# thread, 1.5 ms on the main thread and 1.55 ms on the handler thread once aligned.
+# OpenMP keeps its team size per thread: RPC handler threads get one per core unless
+# OMP_NUM_THREADS was set at start (only torchrun sets it). On 2 cores, one thread per process: a
+# 12-task MAML step took 2.0-2.3 ms on a handler thread, 1.5 ms on the main thread, 1.55 aligned.
 _OPENMP = torch.backends.openmp.is_available()
 
 
 def use_process_threads() -> None:
-    """Give the calling thread, one torch did not start (an RPC handler running a partition or
-    an owner's optimizer step), the process's intra-op thread count. Well under a microsecond."""
+    """Give the calling thread (an RPC handler) the process's intra-op thread count (< 1 us)."""
     if _OPENMP:
         torch.set_num_threads(torch.get_num_threads())
 
 
 # Rank selectors: the rank is checked at call time, so they can decorate at import. A rank beyond
 # the world never matches, so a script written for N workers runs unchanged in a world of 1.
-
-
 def _selector(
     api: str, ranks: tuple[int, ...], run_on_listed: bool
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
@@ -536,10 +493,6 @@ def on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
 
     Returns:
         A decorator; ``ValueError`` if no rank is given or one is not a non-negative int.
-
-    Example:
-        >>> on_rank(0)(lambda msg: f"rank 0 says {msg}")("hi")  # other ranks get None
-        'rank 0 says hi'
     """
     return _selector("on_rank", ranks, run_on_listed=True)
 
