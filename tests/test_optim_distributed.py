@@ -480,7 +480,7 @@ def _check_state_dict(world_size: int) -> None:
         _dist_step(resumed, opt2, x)
     for i, (a, b) in enumerate(zip(continued, resumed.values(), strict=True)):
         assert torch.equal(a, b), f"param {i} differs after resume"
-    with pytest.raises(ValueError, match="1 param group over 6 parameters"):
+    with pytest.raises(ValueError, match=r"1 param group\(s\) of \[6\] parameters, got \[2\]"):
         opt2.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
 
 

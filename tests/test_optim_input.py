@@ -120,7 +120,7 @@ ROWS = [
         "load_state_dict size",
         lambda fx: fx.opt.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]}),
         ValueError,
-        r"state_dict must have 1 param group over 2 parameters",
+        r"state_dict must have 1 param group\(s\) of \[2\] parameters",
     ),
     Row(
         "load_state_dict index",
@@ -131,8 +131,8 @@ ROWS = [
     Row(
         "add_param_group",
         lambda fx: fx.opt.add_param_group({"params": []}),
-        NotImplementedError,
-        r"param group",
+        ValueError,
+        r"param_group\['params'\] is empty",
     ),
     Row(
         "clip optimizer",

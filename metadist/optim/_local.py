@@ -1,6 +1,6 @@
 """The owner's side of the distributed optimizer: one :class:`LocalOptimizer` per (optimizer,
-owner) holds the parameters, their state, the accumulation window and the staged gradients behind
-a timed lock (``step`` calls from several trainers are serialized); :func:`call` reaches it by key.
+owner) holds the parameters, one optimizer per param group, the accumulation window and the
+staged gradients behind a timed lock (concurrent steps are serialized); :func:`call` reaches it.
 """
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ _keys = itertools.count()
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """Everything an owner needs to build its local optimizer, sent once at construction."""
+    """What every owner's local optimizer shares, sent when it is created."""
 
     optimizer_class: type
     functional_class: type | None
-    kwargs: dict[str, Any]  # constructor hyperparameters; kernel flags are None when unset
     mode: str
     passes_per_step: int
     average: bool
@@ -66,6 +65,14 @@ class TimedLock:
 
     def __exit__(self, *exc: object) -> None:
         self.lock.release()
+
+
+def constructor_kwargs(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``hparams`` that ``cls``'s constructor takes (all, if it takes ``**``)."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(hparams)
+    return {k: v for k, v in hparams.items() if k in params and k != "params"}
 
 
 def eager_kernel(
@@ -90,28 +97,26 @@ def _log_eager_fallback(name: str, problem: str) -> None:
     logger.warning("metadist: %s; mode='auto' steps %s eagerly", problem, name)
 
 
-class LocalOptimizer:
-    """The optimizer for one owner's share of the parameters; its ``_`` helpers run locked."""
+class Group:
+    """One param group's share of an owner's parameters (``params[start:stop]``) and the
+    optimizer that steps them with the group's hyperparameters."""
 
-    def __init__(self, spec: Spec, params: list[Tensor]) -> None:
-        self.spec = spec
-        self.params = params
-        self.lock = TimedLock(spec.timeout, "this owner's optimizer lock")
-        self.accum: list[Tensor | None] | None = None
-        self.staged: dict[int, list[Tensor | None]] = {}
+    def __init__(self, spec: Spec, params: list[Tensor], start: int, hparams: dict[str, Any]):
+        self.start, self.stop = start, start + len(params)
         self.optim: Any  # a functional optimizer, its scripted module, or a torch.optim.Optimizer
-        functional_class = spec.functional_class
-        if functional_class is None:
+        cls = spec.functional_class
+        if cls is None:
             if spec.mode == "scripted":
                 raise ValueError(
                     f"mode='scripted' needs a functional optimizer registered for "
                     f"{spec.optimizer_class.__name__} (see register_functional_optimizer)"
                 )
             self.mode, self.kernel = "torch", "torch.optim"
-            self.optim = spec.optimizer_class(params, **spec.kwargs)
+            ctor = constructor_kwargs(spec.optimizer_class, hparams)
+            self.optim = spec.optimizer_class([{**hparams, "params": params}], **ctor)
             return
-        accepted = set(inspect.signature(functional_class).parameters)
-        kwargs = {k: v for k, v in spec.kwargs.items() if k in accepted and k != "params"}
+        accepted = set(inspect.signature(cls).parameters)
+        kwargs = {k: v for k, v in hparams.items() if k in accepted and k != "params"}
         foreach: bool | None = kwargs.pop("foreach", None)
         fused: bool | None = kwargs.pop("fused", None)
         if foreach and fused:
@@ -119,9 +124,9 @@ class LocalOptimizer:
         mode = spec.mode
         if mode == "auto":
             mode = "eager" if "foreach" in accepted or "fused" in accepted else "scripted"
-            problem = torchscript_status(functional_class)[1] if mode == "scripted" else None
+            problem = torchscript_status(cls)[1] if mode == "scripted" else None
             if problem is not None:
-                _log_eager_fallback(functional_class.__name__, problem)
+                _log_eager_fallback(cls.__name__, problem)
                 mode = "eager"
         if mode == "scripted" and (foreach or fused):
             raise ValueError(
@@ -133,27 +138,81 @@ class LocalOptimizer:
             self.kernel = eager_kernel(accepted, params, foreach, fused)
             if self.kernel != "single-tensor":
                 kwargs[self.kernel] = True
-        self.optim = functional = functional_class(params, **kwargs)
+        self.optim = functional = cls(params, **kwargs)
         if mode == "scripted":
             try:
                 self.optim = script_functional_optimizer(functional)
             except RuntimeError as exc:
                 if spec.mode != "auto":
                     raise
-                _log_eager_fallback(functional_class.__name__, str(exc))  # its own class failed
+                _log_eager_fallback(cls.__name__, str(exc))  # its own class failed
                 self.mode = "eager"
 
-    def _get(self, name: str) -> Any:
+    def get(self, name: str) -> Any:
         """The optimizer's ``state`` or ``defaults`` (a scripted module's come by method)."""
         if self.mode == "scripted":
             return getattr(self.optim, f"get_{name}")()
         return getattr(self.optim, name)
 
-    def _set(self, name: str, value: Any) -> None:
+    def set(self, name: str, value: Any) -> None:
         if self.mode == "scripted":
             getattr(self.optim, f"set_{name}")(value)
         else:
             setattr(self.optim, name, value)
+
+    def update(self, hparams: dict[str, Any]) -> None:
+        """Take the group's new float hyperparameters (torch param-group names)."""
+        if self.mode == "torch":
+            self.optim.param_groups[0].update(hparams)
+        else:
+            flat = flat_hparams(hparams)
+            self.set("defaults", {k: flat.get(k, v) for k, v in self.get("defaults").items()})
+
+    def step(self, params: list[Tensor], grads: list[Tensor | None]) -> None:
+        if self.mode != "torch":
+            self.optim.step(grads)
+            return
+        # Set .grad for exactly the parameters with a gradient in this step and clear it after,
+        # so that torch.optim never re-applies a stale .grad from an earlier context.
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        try:
+            with torch.no_grad():
+                self.optim.step()
+        finally:
+            for p in params:
+                p.grad = None
+
+
+class LocalOptimizer:
+    """The optimizer of one owner's share of the parameters; its methods hold its lock."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.params: list[Tensor] = []
+        self.groups: dict[int, Group] = {}  # by the caller's param-group index
+        self.lock = TimedLock(spec.timeout, "this owner's optimizer lock")
+        self.accum: list[Tensor | None] | None = None
+        self.staged: dict[int, list[Tensor | None]] = {}
+
+    def add(self, index: int, param_rrefs: list[rpc.RRef[Tensor]], hparams: dict[str, Any]) -> None:
+        """Add this owner's share of param group ``index`` (RRefs to tensors it owns)."""
+        here, params = rpc.get_worker_info().name, [r.local_value() for r in param_rrefs]
+        for i, value in enumerate(params):
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"parameter RRef {i} on {here} holds a {type(value).__name__}, expected a "
+                    "torch.Tensor"
+                )
+        if len({id(p) for p in [*self.params, *params]}) < len(self.params) + len(params):
+            raise ValueError(f"the same tensor is listed twice on {here}; pass each once")
+        with self.lock:
+            group = Group(self.spec, params, len(self.params), hparams)
+            self.params += params
+            self.groups[index] = group
+            for grads in [self.accum, *self.staged.values()]:
+                if grads is not None:
+                    grads.extend([None] * len(params))
 
     def _gradients(self, context_id: int, apply: bool, pop: bool) -> list[Tensor | None]:
         """The gradients a step of ``context_id`` uses: staged ones, else the context's own
@@ -177,40 +236,24 @@ class LocalOptimizer:
             grads = [None if g is None else g / n for g in grads]
         return grads
 
-    def _apply(self, grads: list[Tensor | None]) -> None:
-        if self.mode != "torch":
-            self.optim.step(grads)
-            return
-        # Set .grad for exactly the parameters with a gradient in this step and clear it after,
-        # so that torch.optim never re-applies a stale .grad from an earlier context.
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
-        try:
-            with torch.no_grad():
-                self.optim.step()
-        finally:
-            for p in self.params:
-                p.grad = None
-
     def step(
-        self, context_id: int, apply: bool, coef: float, hparams: dict[str, Any] | None
+        self, context_id: int, apply: bool, coef: float, hparams: dict[int, dict[str, Any]] | None
     ) -> None:
         """Accumulate (``apply`` false) or apply the gradients of ``context_id`` times ``coef``;
-        ``hparams`` (torch param-group names) is sent only when it changed."""
+        ``hparams`` (per param group) is sent only for groups whose values changed."""
         with self.lock:
-            if hparams is not None and self.mode == "torch":
-                for group in self.optim.param_groups:
-                    group.update(hparams)
-            elif hparams is not None:
-                flat = flat_hparams(hparams)
-                self._set("defaults", {k: flat.get(k, v) for k, v in self._get("defaults").items()})
+            for index, values in (hparams or {}).items():
+                if index in self.groups:
+                    self.groups[index].update(values)
             grads = self._gradients(context_id, apply, pop=True)
             if coef != 1.0:
                 grads = [None if g is None else g * coef for g in grads]
             if apply:
                 self.accum = None
                 self.staged.clear()
-                self._apply(grads)
+                for group in self.groups.values():
+                    part = slice(group.start, group.stop)
+                    group.step(self.params[part], grads[part])
                 return
             accum: list[Tensor | None] = self.accum or [None] * len(self.params)
             for i, (a, g) in enumerate(zip(accum, grads, strict=True)):
@@ -244,7 +287,7 @@ class LocalOptimizer:
     def state(self) -> tuple[list[dict[str, Any] | None], list[Tensor | None] | None]:
         """Copies of the optimizer state (one entry per parameter) and of the open window."""
         with self.lock:
-            by_id = {id(p): s for p, s in self._get("state").items()}
+            by_id = {id(p): s for g in self.groups.values() for p, s in g.get("state").items()}
             states = [
                 {k: _copy(v) for k, v in s.items()} if (s := by_id.get(id(p))) else None
                 for p in self.params
@@ -258,27 +301,37 @@ class LocalOptimizer:
         with self.lock:
             # Convert everything first (the strict zips check the lengths): a bad state must leave
             # this owner as it was.
-            tensors_only = self.mode != "torch"
             new = {
-                p: {k: _as_state(v, p, tensors_only) for k, v in s.items()}
-                for p, s in zip(self.params, states, strict=True)
-                if s
+                index: {
+                    p: {k: _as_state(v, p, g.mode != "torch") for k, v in s.items()}
+                    for p, s in zip(
+                        self.params[g.start : g.stop], states[g.start : g.stop], strict=True
+                    )
+                    if s
+                }
+                for index, g in self.groups.items()
             }
             window = [
                 None if a is None else a.detach().to(p.device, p.dtype, copy=True)
-                for p, a in zip(self.params, accum or [None] * len(self.params), strict=True)
+                for p, a in zip(self.params, accum or [None] * len(states), strict=True)
             ]
             self.accum = window if any(a is not None for a in window) else None
             self.staged.clear()
-            if self.mode == "torch":
-                self.optim.state.clear()
-                self.optim.state.update(new)
-            else:
-                self._set("state", new)
+            for index, group in self.groups.items():
+                if group.mode == "torch":
+                    group.optim.state.clear()
+                    group.optim.state.update(new[index])
+                else:
+                    group.set("state", new[index])
 
     def describe(self) -> tuple[str, str, int]:
-        """``(mode, kernel, number of parameters)``."""
-        return self.mode, self.kernel, len(self.params)
+        """``(mode, kernel, number of parameters)``; "+" joins a group's if they differ."""
+        modes = "+".join(dict.fromkeys(g.mode for g in self.groups.values()))
+        return (
+            modes,
+            "+".join(dict.fromkeys(g.kernel for g in self.groups.values())),
+            len(self.params),
+        )
 
 
 def _copy(value: Any) -> Any:
@@ -297,20 +350,15 @@ def _as_state(value: Any, param: Tensor, tensors_only: bool) -> Any:
 # -- module-level functions the caller invokes over RPC (pickled by reference) ----------------
 
 
-def create(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> tuple[rpc.RRef[LocalOptimizer], int]:
-    """Resolve the RRefs to this owner's tensors, check them and build the local optimizer
-    (RPC target, or called in-process by the caller for its own share); return an RRef to it
-    and its key."""
-    here, params = rpc.get_worker_info().name, [rref.local_value() for rref in param_rrefs]
-    for i, value in enumerate(params):
-        if not isinstance(value, Tensor):
-            raise TypeError(
-                f"params_rref entry {i} on {here} holds a {type(value).__name__}, expected a "
-                "torch.Tensor"
-            )
-    if len({id(p) for p in params}) < len(params):
-        raise ValueError(f"params_rref holds the same tensor twice on {here}; pass each once")
-    local = LocalOptimizer(spec, params)
+def create(
+    spec: Spec, groups: list[tuple[int, list[rpc.RRef[Tensor]], dict[str, Any]]]
+) -> tuple[rpc.RRef[LocalOptimizer], int]:
+    """Build this owner's local optimizer with its share of ``groups`` (``(index, RRefs,
+    hyperparameters)``; RPC target, or called in-process for the caller's own share); return an
+    RRef to it, which keeps it alive, and its key."""
+    local = LocalOptimizer(spec)
+    for group in groups:
+        local.add(*group)
     key = next(_keys)
     _LIVE[key] = local
     return rpc.RRef(local), key

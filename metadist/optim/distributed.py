@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -75,28 +74,30 @@ def clip_grad_norm_(
 class DistributedOptimizer(torch.optim.Optimizer):
     """Optimize parameters that live on several workers, each owner stepping its own share.
 
-    A drop-in for ``torch.distributed.optim.DistributedOptimizer``: one local optimizer per
-    owner, and ``step(context_id)`` sends one request per owner, which updates the parameters
-    with a gradient in that context (concurrent steps are serialized per owner). Owners run the
+    A drop-in for ``torch.distributed.optim.DistributedOptimizer`` that is a full
+    ``torch.optim.Optimizer``: param groups, hooks, schedulers, ``state_dict``. ``step(context_id)``
+    sends one request per owner, which updates its parameters that have a gradient in that context
+    with their group's hyperparameters (concurrent steps are serialized per owner). Owners run the
     functional twin of ``optimizer_class`` eagerly, scripted, or as ``"auto"`` picks; a class with
-    no twin runs as itself. One param group, driven by ``torch.optim.lr_scheduler``; ``state``
-    stays empty and ``state_dict()`` gathers the owners'. The guide: ``docs/optim.md``.
+    no twin runs as itself. ``state`` stays empty: ``state_dict()`` gathers the owners'. The
+    guide: ``docs/optim.md``.
 
     Args:
         optimizer_class: A ``torch.optim.Optimizer`` subclass or a registered functional class.
-        params_rref: RRefs to the parameters (leaf tensors) on their owners; any mix of owners.
+        params_rref: RRefs to the parameters (leaf tensors) on any owners, or param groups: dicts
+            ``{"params": [RRefs], "lr": ..., ...}`` whose entries override the defaults.
         *args: Positional hyperparameters for ``optimizer_class`` (after ``params``).
         mode: ``"auto"``, ``"eager"``, ``"scripted"``, or ``{worker name or rank: mode}``.
         backward_passes_per_step: Accumulate this many contexts' gradients per update.
         average_accumulated: Divide the accumulated gradients by ``backward_passes_per_step``.
         timeout: Seconds per request and owner lock; ``None``: the RPC world's timeout.
-        **kwargs: Keyword hyperparameters for ``optimizer_class``.
+        **kwargs: Keyword hyperparameters for ``optimizer_class`` (the groups' defaults).
 
     Raises:
         RuntimeError: If RPC is not running, or ``mode="scripted"`` where torch cannot script.
-        TypeError: On an argument of the wrong type (a non-RRef in ``params_rref``, ...).
-        ValueError: On a wrong value (empty or duplicated ``params_rref``, unknown owner or
-            ``mode``, hyperparameters ``optimizer_class`` rejects, ...), before any request.
+        TypeError: On an argument of the wrong type (a non-RRef among the parameters, ...).
+        ValueError: On a wrong value (no or duplicated parameters, an unknown owner or ``mode``,
+            hyperparameters ``optimizer_class`` rejects, ...), before any request.
 
     Example:
         >>> import torch
@@ -118,7 +119,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer_class: type,
-        params_rref: Sequence[rpc.RRef[Tensor]],
+        params_rref: Iterable[rpc.RRef[Tensor]] | Iterable[dict[str, Any]],
         *args: Any,
         mode: str | Mapping[str | int, str] = "auto",
         backward_passes_per_step: int = 1,
@@ -133,9 +134,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"optimizer_class must be a torch.optim.Optimizer subclass or a registered "
                 f"functional optimizer class, got {optimizer_class!r}"
             )
-        if isinstance(params_rref, _RREF_TYPES) or not isinstance(params_rref, Sequence):
-            raise TypeError(f"params_rref must be a list of RRefs, got {type(params_rref)!r}")
-        if len(params_rref) == 0:
+        if isinstance(params_rref, (Tensor, Mapping, *_RREF_TYPES)) or not isinstance(
+            params_rref, Iterable
+        ):
+            raise TypeError(
+                f"params_rref must be a list of RRefs or of param-group dicts, got "
+                f"{type(params_rref)!r}"
+            )
+        groups = list(params_rref)
+        if not groups:
             raise ValueError("params_rref is empty; pass at least one parameter RRef")
         if not is_number(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(
@@ -149,93 +156,147 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
-        known, seen = get_worker_names(), set()
-        self._owner_indices: dict[str, list[int]] = {}
-        for i, rref in enumerate(params_rref):
-            if not isinstance(rref, _RREF_TYPES):
-                raise TypeError(f"params_rref[{i}] must be an RRef, got {type(rref).__name__}")
-            if id(rref) in seen:
-                raise ValueError(f"params_rref[{i}] is listed twice; pass each parameter once")
-            seen.add(id(rref))
-            owner = rref.owner().name
-            if owner not in known:
-                raise ValueError(
-                    f"params_rref[{i}] is owned by {owner!r}, which is not a worker of this world "
-                    f"(workers: {', '.join(known)})"
-                )
-            self._owner_indices.setdefault(owner, []).append(i)
-        modes = _resolve_modes(mode, set(self._owner_indices))
-        scripted = functional_class is not None and "scripted" in modes.values()
+        self._modes = _resolve_modes(mode, set(get_worker_names()))
+        scripted = functional_class is not None and "scripted" in self._modes.values()
         if scripted and not (status := torchscript_status(functional_class))[0]:
             raise RuntimeError(
                 f"mode='scripted' needs TorchScript: {status[1]}. Use mode='eager' (or "
                 "'auto'), which steps the same functional optimizer without compiling it"
             )
-        group = _param_group(optimizer_class, functional_class is optimizer_class, args, kwargs)
-
-        self.optimizer_class, self.params_rref = optimizer_class, list(params_rref)
+        self.optimizer_class, self._functional = optimizer_class, functional_class
         self.backward_passes_per_step, self.timeout = backward_passes_per_step, float(timeout)
         self.average_accumulated = average_accumulated
-        # torch.optim.Optimizer surface (deliberately not calling its __init__: it wants local
-        # tensors). One group; "params" holds the RRefs.
-        self.defaults = dict(group)
-        self.param_groups: list[dict[str, Any]] = [{**group, "params": self.params_rref}]
-        self.state: defaultdict[Any, Any] = defaultdict(dict)
+        self.params_rref: list[rpc.RRef[Tensor]] = []  # every group's, in order
+        self._owner_indices: dict[str, list[int]] = {}  # owner -> its indices in params_rref
+        self._keys: dict[str, int] = {}
+        self._rrefs: dict[str, rpc.RRef[Any]] = {}  # keep the owners' optimizers alive
         self._passes = 0
         self._coef: dict[int, float] = {}
         self._lock = _local.TimedLock(self.timeout, "the optimizer lock")
-        # Owners are built with these hyperparameters; a step sends them again only on change.
-        self._sent_hparams: dict[str, Any] | None = self._hparams()
         self._me = get_worker_name()
-
-        # Functional owners auto-pick only kernel flags that are unset (None). A flag the user did
-        # not pass is unset whatever the class defaults it to.
-        passed = _passed_names(optimizer_class, args, kwargs) if functional_class else set(group)
-        ctor_kwargs = {
-            k: None if k in _KERNEL_FLAGS and k not in passed else v for k, v in group.items()
-        }
-        window = (backward_passes_per_step, average_accumulated, self.timeout)
-        created = self._fan_out(
-            _local.create,
-            lambda o: (
-                _local.Spec(optimizer_class, functional_class, ctor_kwargs, modes[o], *window),
-                [self.params_rref[i] for i in self._owner_indices[o]],
-            ),
-        )
-        # The RRefs keep the owners' optimizers alive; requests address them by key.
-        self._rrefs = {o: rref for o, (rref, _) in created.items()}
-        self._keys: dict[str, int] = {o: key for o, (_, key) in created.items()}
+        self._owner_hparams: list[dict[str, Any]] = []  # each group's, as owners build it
+        self._passed = _passed_names(optimizer_class, args, kwargs) if functional_class else None
+        self._flat = not isinstance(groups[0], Mapping)  # names params_rref[i] in errors
+        # torch's own constructor: its attributes and hooks, and add_param_group for each group
+        # (which checks it; nothing is sent before all are checked).
+        defaults = _param_group(optimizer_class, functional_class is optimizer_class, args, kwargs)
+        self._sent_hparams: list[dict[str, Any]] | None = None
+        super().__init__(groups, defaults)  # type: ignore[arg-type]
+        self._build(range(len(self.param_groups)))
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("DistributedOptimizer cannot be pickled; use state_dict() instead")
-
-    def __repr__(self) -> str:
-        hyper = ", ".join(f"{k}={v!r}" for k, v in self.param_groups[0].items() if k != "params")
-        return (
-            f"DistributedOptimizer({self.optimizer_class.__name__}, "
-            f"{len(self.params_rref)} params on {len(self._owner_indices)} owners, {hyper})"
+        raise TypeError(
+            "a DistributedOptimizer cannot be pickled or copied: its state lives in optimizers "
+            "on the owners, reached by RRef; save state_dict() instead"
         )
 
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"{name} of {self.optimizer_class.__name__}{super().__repr__()[len(name) :]}"
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Do nothing: distributed-autograd gradients live in their context, not in ``.grad``.
+        """Do nothing: gradients live in their distributed-autograd context, never in ``.grad``,
+        so no step applies a gradient computed before it (drop a window with :meth:`skip`).
 
         Args:
             set_to_none: Ignored; kept for ``torch.optim.Optimizer`` compatibility.
         """
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: a DistributedOptimizer has exactly one param group.
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group`` does (also mid-training:
+        its owners then step it from the next ``step`` on).
 
         Args:
-            param_group: Ignored.
+            param_group: ``{"params": [RRefs], **hyperparameters}``; missing ones default to
+                ``defaults``.
 
         Raises:
-            NotImplementedError: Always.
+            TypeError: If it is not such a dict, or holds something other than RRefs.
+            ValueError: On a parameter already in a group, an unknown owner, hyperparameters the
+                class rejects, or one that varies across groups where its functional optimizer
+                does not take it (checked before any request).
         """
-        raise NotImplementedError(
-            "DistributedOptimizer has one param group; create a second DistributedOptimizer "
-            "for parameters that need different hyperparameters"
+        index = len(self.param_groups)
+        where = "param_group" if self._keys else f"params_rref[{index}]"
+        if not isinstance(param_group, Mapping) or "params" not in param_group:
+            raise TypeError(f"{where} must be a dict with 'params', got {param_group!r:.80}")
+        where = "params_rref" if self._flat and not self._keys else f"{where}['params']"
+        rrefs = param_group["params"]
+        rrefs = [rrefs] if isinstance(rrefs, _RREF_TYPES) else rrefs
+        if isinstance(rrefs, (set, Tensor)) or not isinstance(rrefs, Iterable):
+            raise TypeError(f"{where} must be a list of RRefs, got {type(rrefs).__name__}")
+        rrefs, known = list(rrefs), get_worker_names()
+        if not rrefs:
+            raise ValueError(f"{where} is empty; pass at least one parameter RRef")
+        seen = {id(r) for r in self.params_rref}
+        for i, rref in enumerate(rrefs):
+            if not isinstance(rref, _RREF_TYPES):
+                raise TypeError(f"{where}[{i}] must be an RRef, got {type(rref).__name__}")
+            if id(rref) in seen:
+                raise ValueError(f"{where}[{i}] is listed twice; pass each parameter once")
+            seen.add(id(rref))
+            if (owner := rref.owner().name) not in known:
+                raise ValueError(
+                    f"{where}[{i}] is owned by {owner!r}, which is not a worker of this world "
+                    f"(workers: {', '.join(known)})"
+                )
+        overrides = {k: v for k, v in param_group.items() if k != "params"}
+        group = {**self.defaults, **overrides}
+        if overrides:  # the class's own checks of this group's values
+            cls = self.optimizer_class
+            _param_group(cls, cls is self._functional, (), _local.constructor_kwargs(cls, group))
+        accepted = inspect.signature(self._functional).parameters if self._functional else group
+        for key, value in overrides.items():
+            if key in self.defaults and key not in accepted and value != self.defaults[key]:
+                raise ValueError(
+                    f"param group {index} sets {key}={value!r} (default {self.defaults[key]!r}), "
+                    f"but {getattr(self._functional, '__name__', '')} takes no {key!r}: it "
+                    "cannot differ between param groups"
+                )
+        self.param_groups.append({**group, "params": rrefs})
+        # Functional owners auto-pick only kernel flags that are unset (None). A flag the user did
+        # not pass is unset whatever the class defaults it to.
+        passed = None if self._passed is None else self._passed | set(overrides)
+        self._owner_hparams.append(
+            {
+                k: None if passed is not None and k in _KERNEL_FLAGS and k not in passed else v
+                for k, v in group.items()
+            }
         )
+        for rref in rrefs:
+            self._owner_indices.setdefault(rref.owner().name, []).append(len(self.params_rref))
+            self.params_rref.append(rref)
+        if self._keys:  # after construction: send it now
+            with self._lock:
+                self._build([index])
+                self._sent_hparams = None  # owners get every group's values on the next step
+
+    def _build(self, indices: Iterable[int]) -> None:
+        """Send the param groups ``indices`` to their owners (creating a new owner's optimizer)."""
+        spec = {
+            o: _local.Spec(
+                self.optimizer_class,
+                self._functional,
+                self._modes[o],
+                self.backward_passes_per_step,
+                self.average_accumulated,
+                self.timeout,
+            )
+            for o in self._owner_indices
+        }
+        shares: dict[str, list[tuple[int, list[Any], dict[str, Any]]]] = {}
+        for index in indices:
+            group, hparams = self.param_groups[index], self._owner_hparams[index]
+            for owner in dict.fromkeys(r.owner().name for r in group["params"]):
+                mine = [r for r in group["params"] if r.owner().name == owner]
+                shares.setdefault(owner, []).append((index, mine, hparams))
+        new = [o for o in shares if o not in self._keys]
+        created = self._fan_out(_local.create, lambda o: (spec[o], shares[o]), new)
+        self._rrefs.update({o: rref for o, (rref, _) in created.items()})
+        self._keys.update({o: key for o, (_, key) in created.items()})
+        added = [o for o in shares if o not in new]
+        self._fan_out(_local.call, lambda o: (self._keys[o], "add", *shares[o][0]), added)
+        self._sent_hparams = self._hparams()
 
     @property
     def next_step_applies(self) -> bool:
@@ -271,10 +332,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if apply:
                 self._passes = 0
                 self._coef.clear()
-            changed = None if hparams == self._sent_hparams else hparams
+            sent: list[dict[str, Any]] = self._sent_hparams or []
+            changed = {i: h for i, h in enumerate(hparams) if i >= len(sent) or h != sent[i]}
             self._sent_hparams = hparams
         try:
-            self._call_owners("step", context_id, apply, coef, changed)
+            self._call_owners("step", context_id, apply, coef, changed or None)
         except BaseException:
             self._sent_hparams = None  # some owner may have missed them: send on the next step
             raise
@@ -294,12 +356,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Gather the owners' state into one ``torch.optim``-format state dict (parameter ``i`` is
-        ``params_rref[i]``; mid-window it also holds the window, see ``docs/optim.md``).
+        ``params_rref[i]``; mid-window it also holds the window, see ``docs/optim.md``), with the
+        state-dict hooks run as ``torch.optim.Optimizer.state_dict`` runs them.
 
         Returns:
             ``{"state": {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``
             (plus ``"accumulation": {"passes": k, "gradients": {index: tensor}}`` mid-window).
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         with self._lock:
             passes = self._passes
             per_owner = self._call_owners("state")
@@ -312,26 +377,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     state[i] = states[k]
                 if accum is not None and accum[k] is not None:
                     window[i] = accum[k]
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self.params_rref)))
-        out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": [group]}
+        groups, start = [], 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            groups.append({**group, "params": list(range(start, start + n))})
+            start += n
+        out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
         if passes:
             out[_WINDOW] = {"passes": passes, "gradients": dict(sorted(window.items()))}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            out = out if result is None else result
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Send a :meth:`state_dict` back to the owners, with the group's hyperparameters and the
-        accumulation window (a fresh one if none was saved: earlier gradients are dropped).
+        """Send a :meth:`state_dict` back to the owners, with the groups' hyperparameters and the
+        accumulation window (a fresh one if none was saved: earlier gradients are dropped); the
+        load-state-dict hooks run as ``torch.optim.Optimizer.load_state_dict`` runs them.
 
         Args:
             state_dict: A dict from :meth:`state_dict` (or a ``torch.optim`` state dict of the
-                same algorithm over the same parameters, in ``params_rref`` order).
+                same algorithm over the same param groups, in ``params_rref`` order).
 
         Raises:
             ValueError: If the dict does not fit this optimizer (checked before any request).
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         groups, given = state_dict.get("param_groups"), state_dict.get("state")
         if not isinstance(groups, Sequence) or not all(isinstance(g, Mapping) for g in groups):
             raise ValueError(
@@ -339,19 +415,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if not isinstance(given, Mapping):
             raise ValueError(f"state_dict['state'] must be a dict, got {type(given).__name__}")
-        n = len(self.params_rref)
-        if len(groups) != 1 or len(groups[0].get("params", ())) != n:
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g.get("params", ())) for g in groups] != sizes:
             raise ValueError(
-                f"state_dict must have 1 param group over {n} parameters, got "
-                f"{len(groups)} group(s) with {[len(g.get('params', ())) for g in groups]} params"
+                f"state_dict must have {len(sizes)} param group(s) of {sizes} parameters, got "
+                f"{[len(g.get('params', ())) for g in groups]}"
             )
-        order = {pid: i for i, pid in enumerate(groups[0]["params"])}
+        order = {pid: i for i, pid in enumerate(p for g in groups for p in g["params"])}
+        n = len(order)
         states: dict[int, dict[str, Any]] = {}
         for key, value in given.items():
             if key not in order or not isinstance(value, dict):
                 raise ValueError(
                     f"state_dict['state'][{key!r}] must be a dict of state tensors, got "
-                    f"{type(value).__name__}, for a parameter of its param group (0..{n - 1})"
+                    f"{type(value).__name__}, for a parameter of its param groups (0..{n - 1})"
                 )
             states[order[key]] = value
         window = state_dict.get(_WINDOW)
@@ -378,10 +455,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
         with self._lock:
             self._call_owners("load_state", per_owner=chunks)
-            self.param_groups[0].update({k: v for k, v in groups[0].items() if k != "params"})
+            for mine, saved in zip(self.param_groups, groups, strict=True):
+                mine.update({k: v for k, v in saved.items() if k != "params"})
             self._passes = passes or 0
             self._coef.clear()
             self._sent_hparams = None  # the owners get the loaded hyperparameters on next step
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # The method form, ``opt.clip_grad_norm_(context_id, max_norm, ...)``: the function itself.
     clip_grad_norm_ = clip_grad_norm_
@@ -404,29 +484,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         apply = self.next_step_applies
         return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())
 
-    def _hparams(self) -> dict[str, Any]:
-        """The param group's float hyperparameters, the ones owners follow step by step."""
-        out: dict[str, Any] = {}
-        for key, value in self.param_groups[0].items():
-            if key in TUPLE_KEYS and isinstance(value, tuple):
-                out[key] = tuple(float(v) for v in value)
-            elif key not in ("params", "initial_lr") and (
-                is_number(value) or (isinstance(value, Tensor) and value.numel() == 1)
-            ):
-                out[key] = float(value)
+    def _hparams(self) -> list[dict[str, Any]]:
+        """Each param group's float hyperparameters, the ones owners follow step by step."""
+        out: list[dict[str, Any]] = []
+        for group in self.param_groups:
+            out.append({})
+            for key, value in group.items():
+                if key in TUPLE_KEYS and isinstance(value, tuple):
+                    out[-1][key] = tuple(float(v) for v in value)
+                elif key not in ("params", "initial_lr") and (
+                    is_number(value) or (isinstance(value, Tensor) and value.numel() == 1)
+                ):
+                    out[-1][key] = float(value)
         return out
 
-    def _fan_out(self, fn: Callable[..., Any], args: Callable[[str], tuple[Any, ...]]) -> Any:
-        """``fn(*args(owner))`` for every owner: the others by RPC, concurrently with this
-        process's own share, run inline. Raises the first error once every owner has replied."""
+    def _fan_out(
+        self, fn: Callable[..., Any], args: Callable[[str], tuple[Any, ...]], owners: Any = None
+    ) -> Any:
+        """``fn(*args(owner))`` for every owner (or those of ``owners``): the others by RPC,
+        concurrently with this process's own share, run inline. Raises the first error once
+        every owner has replied."""
+        owners = list(self._owner_indices if owners is None else owners)
         futures = {
             owner: rpc.rpc_async(owner, fn, args=args(owner), timeout=self.timeout)
-            for owner in self._owner_indices
+            for owner in owners
             if owner != self._me
         }
         results: dict[str, Any] = {}
         error: BaseException | None = None
-        if self._me in self._owner_indices:
+        if self._me in owners:
             try:
                 results[self._me] = fn(*args(self._me))
             except BaseException as exc:  # still collect the owners' replies
