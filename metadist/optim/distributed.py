@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,8 +24,7 @@ __all__ = ["DistributedOptimizer", "clip_grad_norm_"]
 _KERNEL_FLAGS = ("foreach", "fused")
 # rpc.remote returns the C++ PyRRef; rpc.RRef is the typing-friendly Python subclass.
 _RREF_TYPES = (rpc.RRef, rpc.PyRRef)  # type: ignore[attr-defined]
-# The state_dict key of an open accumulation window (absent at a window's boundary).
-_WINDOW = "accumulation"
+_WINDOW = "accumulation"  # the state_dict key of an open accumulation window
 
 
 def clip_grad_norm_(
@@ -35,17 +35,17 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
 ) -> Tensor:
     """Clip the gradients the next ``optimizer.step(context_id)`` applies by their norm over all
-    owners, as ``torch.nn.utils.clip_grad_norm_`` does in one process (see ``docs/optim.md``).
+    owners, as ``torch.nn.utils.clip_grad_norm_`` does in one process.
 
     Args:
-        optimizer: The :class:`DistributedOptimizer` whose parameters' gradients to clip.
+        optimizer: The :class:`DistributedOptimizer`.
         context_id: A distributed-autograd context id created in this process.
         max_norm: Largest allowed total norm (``> 0``).
         norm_type: Order of the norm, ``> 0`` or ``float("inf")``.
         error_if_nonfinite: Raise if the total norm is inf or NaN.
 
     Returns:
-        The total norm of the gradients before clipping (0-dim float tensor).
+        The total norm of the gradients before clipping (0-dim tensor).
 
     Raises:
         TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
@@ -66,38 +66,35 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients of context {context_id} is "
             f"{float(total)}; set error_if_nonfinite=False to clip anyway"
         )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    optimizer._coef[context_id] = previous * float(coef)
+    optimizer._coef[context_id] = previous * float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Optimize parameters that live on several workers, each owner stepping its own share.
 
-    A drop-in for ``torch.distributed.optim.DistributedOptimizer`` that is a full
-    ``torch.optim.Optimizer``: param groups, hooks, schedulers, ``state_dict``. ``step(context_id)``
-    sends one request per owner, which updates its parameters that have a gradient in that context
-    with their group's hyperparameters (concurrent steps are serialized per owner). Owners run the
-    functional twin of ``optimizer_class`` eagerly, scripted, or as ``"auto"`` picks; a class with
-    no twin runs as itself. ``state`` stays empty: ``state_dict()`` gathers the owners'. The
-    guide: ``docs/optim.md``.
+    A drop-in for ``torch.distributed.optim.DistributedOptimizer`` that is a whole
+    ``torch.optim.Optimizer`` (param groups, hooks, schedulers, ``state_dict``; ``state`` stays
+    empty). ``step(context_id)`` sends one request per owner, which steps its parameters that have
+    a gradient in that context with their group's hyperparameters, running the functional twin of
+    ``optimizer_class`` (eager or scripted, see ``mode``) or, without one, the class itself.
 
     Args:
         optimizer_class: A ``torch.optim.Optimizer`` subclass or a registered functional class.
-        params_rref: RRefs to the parameters (leaf tensors) on any owners, or param groups: dicts
+        params_rref: RRefs to parameters (leaf tensors on any workers), or param groups: dicts
             ``{"params": [RRefs], "lr": ..., ...}`` whose entries override the defaults.
         *args: Positional hyperparameters for ``optimizer_class`` (after ``params``).
         mode: ``"auto"``, ``"eager"``, ``"scripted"``, or ``{worker name or rank: mode}``.
         backward_passes_per_step: Accumulate this many contexts' gradients per update.
         average_accumulated: Divide the accumulated gradients by ``backward_passes_per_step``.
         timeout: Seconds per request and owner lock; ``None``: the RPC world's timeout.
-        **kwargs: Keyword hyperparameters for ``optimizer_class`` (the groups' defaults).
+        **kwargs: Keyword hyperparameters for ``optimizer_class``.
 
     Raises:
         RuntimeError: If RPC is not running, or ``mode="scripted"`` where torch cannot script.
-        TypeError: On an argument of the wrong type (a non-RRef among the parameters, ...).
-        ValueError: On a wrong value (no or duplicated parameters, an unknown owner or ``mode``,
-            hyperparameters ``optimizer_class`` rejects, ...), before any request.
+        TypeError: On an argument of the wrong type (a non-RRef parameter, ...).
+        ValueError: On a wrong value (no or duplicated parameters, hyperparameters the class
+            rejects, ...). Both before any request.
 
     Example:
         >>> import torch
@@ -128,21 +125,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         **kwargs: Any,
     ) -> None:
         require_rpc("DistributedOptimizer")
-        functional_class = get_functional_optimizer(optimizer_class)  # checks it is a class
-        if functional_class is None and not issubclass(optimizer_class, torch.optim.Optimizer):
+        functional = get_functional_optimizer(optimizer_class)  # checks it is a class
+        if functional is None and not issubclass(optimizer_class, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass or a registered "
                 f"functional optimizer class, got {optimizer_class!r}"
             )
-        if isinstance(params_rref, (Tensor, Mapping, *_RREF_TYPES)) or not isinstance(
-            params_rref, Iterable
-        ):
-            raise TypeError(
-                f"params_rref must be a list of RRefs or of param-group dicts, got "
-                f"{type(params_rref)!r}"
-            )
-        groups = list(params_rref)
-        if not groups:
+        kinds = (Tensor, Mapping, *_RREF_TYPES)
+        if isinstance(params_rref, kinds) or not isinstance(params_rref, Iterable):
+            raise TypeError(f"params_rref must be a list of RRefs or dicts, got {params_rref!r}")
+        if not (groups := list(params_rref)):
             raise ValueError("params_rref is empty; pass at least one parameter RRef")
         if not is_number(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(
@@ -156,31 +148,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
-        self._modes = _resolve_modes(mode, set(get_worker_names()))
-        scripted = functional_class is not None and "scripted" in self._modes.values()
-        if scripted and not (status := torchscript_status(functional_class))[0]:
+        self._modes = _resolve_modes(mode, get_worker_names())
+        scripted = functional and "scripted" in self._modes.values()
+        if scripted and not (status := torchscript_status(functional))[0]:
             raise RuntimeError(
                 f"mode='scripted' needs TorchScript: {status[1]}. Use mode='eager' (or "
                 "'auto'), which steps the same functional optimizer without compiling it"
             )
-        self.optimizer_class, self._functional = optimizer_class, functional_class
+        self.optimizer_class, self._functional = optimizer_class, functional
         self.backward_passes_per_step, self.timeout = backward_passes_per_step, float(timeout)
         self.average_accumulated = average_accumulated
+        self._spec = _local.Spec(
+            optimizer_class, functional, "", backward_passes_per_step, average_accumulated, timeout
+        )
         self.params_rref: list[rpc.RRef[Tensor]] = []  # every group's, in order
         self._owner_indices: dict[str, list[int]] = {}  # owner -> its indices in params_rref
-        self._keys: dict[str, int] = {}
-        self._rrefs: dict[str, rpc.RRef[Any]] = {}  # keep the owners' optimizers alive
-        self._passes = 0
-        self._coef: dict[int, float] = {}
+        self._keys: dict[str, int] = {}  # owner -> its optimizer's key (once built)
+        self._rrefs: dict[str, Any] = {}  # keep the owners' optimizers alive
+        self._owner_groups: list[dict[str, Any]] = []  # the groups' values, as owners get them
+        self._passes, self._coef = 0, dict[int, float]()
+        self._sent_hparams: list[dict[str, Any]] | None = None
         self._lock = _local.TimedLock(self.timeout, "the optimizer lock")
         self._me = get_worker_name()
-        self._owner_hparams: list[dict[str, Any]] = []  # each group's, as owners build it
-        self._passed = _passed_names(optimizer_class, args, kwargs) if functional_class else None
-        self._flat = not isinstance(groups[0], Mapping)  # names params_rref[i] in errors
-        # torch's own constructor: its attributes and hooks, and add_param_group for each group
-        # (which checks it; nothing is sent before all are checked).
-        defaults = _param_group(optimizer_class, functional_class is optimizer_class, args, kwargs)
-        self._sent_hparams: list[dict[str, Any]] | None = None
+        # Functional owners auto-pick only kernel flags that are unset (None). A flag the user did
+        # not pass is unset whatever the class defaults it to.
+        self._passed = _passed_names(optimizer_class, args, kwargs) if functional else None
+        self._flat = not isinstance(groups[0], Mapping)  # errors then name params_rref[i]
+        defaults = _param_group(optimizer_class, functional is optimizer_class, args, kwargs)
+        # torch's constructor sets its attributes and calls add_param_group on each group (which
+        # checks it and sends nothing before all are checked).
         super().__init__(groups, defaults)  # type: ignore[arg-type]
         self._build(range(len(self.param_groups)))
 
@@ -199,22 +195,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         so no step applies a gradient computed before it (drop a window with :meth:`skip`).
 
         Args:
-            set_to_none: Ignored; kept for ``torch.optim.Optimizer`` compatibility.
+            set_to_none: Ignored, as there is no ``.grad`` to clear.
         """
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, as ``torch.optim.Optimizer.add_param_group`` does (also mid-training:
-        its owners then step it from the next ``step`` on).
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group`` does; mid-training, its
+        owners step it from the next ``step`` on.
 
         Args:
-            param_group: ``{"params": [RRefs], **hyperparameters}``; missing ones default to
-                ``defaults``.
+            param_group: ``{"params": [RRefs], **hyperparameters}`` (the others: ``defaults``).
 
         Raises:
-            TypeError: If it is not such a dict, or holds something other than RRefs.
-            ValueError: On a parameter already in a group, an unknown owner, hyperparameters the
-                class rejects, or one that varies across groups where its functional optimizer
-                does not take it (checked before any request).
+            TypeError: If it is not such a dict.
+            ValueError: On a parameter already in a group, hyperparameters the class rejects, or
+                one that differs from ``defaults`` where the functional twin does not take it.
         """
         index = len(self.param_groups)
         where = "param_group" if self._keys else f"params_rref[{index}]"
@@ -225,10 +219,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rrefs = [rrefs] if isinstance(rrefs, _RREF_TYPES) else rrefs
         if isinstance(rrefs, (set, Tensor)) or not isinstance(rrefs, Iterable):
             raise TypeError(f"{where} must be a list of RRefs, got {type(rrefs).__name__}")
-        rrefs, known = list(rrefs), get_worker_names()
-        if not rrefs:
+        if not (rrefs := list(rrefs)):
             raise ValueError(f"{where} is empty; pass at least one parameter RRef")
-        seen = {id(r) for r in self.params_rref}
+        seen, known = {id(r) for r in self.params_rref}, get_worker_names()
         for i, rref in enumerate(rrefs):
             if not isinstance(rref, _RREF_TYPES):
                 raise TypeError(f"{where}[{i}] must be an RRef, got {type(rref).__name__}")
@@ -236,65 +229,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{where}[{i}] is listed twice; pass each parameter once")
             seen.add(id(rref))
             if (owner := rref.owner().name) not in known:
-                raise ValueError(
-                    f"{where}[{i}] is owned by {owner!r}, which is not a worker of this world "
-                    f"(workers: {', '.join(known)})"
-                )
+                raise ValueError(f"{where}[{i}] is owned by {owner!r}, not a worker: {known}")
         overrides = {k: v for k, v in param_group.items() if k != "params"}
-        group = {**self.defaults, **overrides}
+        group, cls = {**self.defaults, **overrides}, self.optimizer_class
         if overrides:  # the class's own checks of this group's values
-            cls = self.optimizer_class
             _param_group(cls, cls is self._functional, (), _local.constructor_kwargs(cls, group))
-        accepted = inspect.signature(self._functional).parameters if self._functional else group
+        twin = self._functional or cls
+        accepted = inspect.signature(twin).parameters if self._functional else group
         for key, value in overrides.items():
             if key in self.defaults and key not in accepted and value != self.defaults[key]:
                 raise ValueError(
-                    f"param group {index} sets {key}={value!r} (default {self.defaults[key]!r}), "
-                    f"but {getattr(self._functional, '__name__', '')} takes no {key!r}: it "
-                    "cannot differ between param groups"
+                    f"param group {index} sets {key}={value!r}, but {twin.__name__} takes no "
+                    f"{key!r}: it cannot differ from the default, {self.defaults[key]!r}"
                 )
         self.param_groups.append({**group, "params": rrefs})
-        # Functional owners auto-pick only kernel flags that are unset (None). A flag the user did
-        # not pass is unset whatever the class defaults it to.
         passed = None if self._passed is None else self._passed | set(overrides)
-        self._owner_hparams.append(
-            {
-                k: None if passed is not None and k in _KERNEL_FLAGS and k not in passed else v
-                for k, v in group.items()
-            }
-        )
+        unset = [] if passed is None else [k for k in _KERNEL_FLAGS if k not in passed]
+        self._owner_groups.append({**group, **dict.fromkeys(unset)})
         for rref in rrefs:
             self._owner_indices.setdefault(rref.owner().name, []).append(len(self.params_rref))
             self.params_rref.append(rref)
         if self._keys:  # after construction: send it now
             with self._lock:
                 self._build([index])
-                self._sent_hparams = None  # owners get every group's values on the next step
 
     def _build(self, indices: Iterable[int]) -> None:
-        """Send the param groups ``indices`` to their owners (creating a new owner's optimizer)."""
-        spec = {
-            o: _local.Spec(
-                self.optimizer_class,
-                self._functional,
-                self._modes[o],
-                self.backward_passes_per_step,
-                self.average_accumulated,
-                self.timeout,
-            )
-            for o in self._owner_indices
-        }
+        """Send the param groups ``indices`` to their owners, creating a new owner's optimizer."""
         shares: dict[str, list[tuple[int, list[Any], dict[str, Any]]]] = {}
         for index in indices:
-            group, hparams = self.param_groups[index], self._owner_hparams[index]
-            for owner in dict.fromkeys(r.owner().name for r in group["params"]):
-                mine = [r for r in group["params"] if r.owner().name == owner]
-                shares.setdefault(owner, []).append((index, mine, hparams))
+            for rref in self.param_groups[index]["params"]:
+                owner = shares.setdefault(rref.owner().name, [])
+                if not owner or owner[-1][0] != index:
+                    owner.append((index, [], self._owner_groups[index]))
+                owner[-1][1].append(rref)
         new = [o for o in shares if o not in self._keys]
-        created = self._fan_out(_local.create, lambda o: (spec[o], shares[o]), new)
+        spec = lambda o: dataclasses.replace(self._spec, mode=self._modes[o])  # noqa: E731
+        created = self._fan_out(_local.create, lambda o: (spec(o), shares[o]), new)
         self._rrefs.update({o: rref for o, (rref, _) in created.items()})
         self._keys.update({o: key for o, (_, key) in created.items()})
-        added = [o for o in shares if o not in new]
+        added = [o for o in shares if o not in new]  # (one group: add_param_group's)
         self._fan_out(_local.call, lambda o: (self._keys[o], "add", *shares[o][0]), added)
         self._sent_hparams = self._hparams()
 
@@ -304,10 +277,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._passes + 1 >= self.backward_passes_per_step
 
     def describe(self) -> dict[str, tuple[str, str, int]]:
-        """Return, per owner, the mode and kernel chosen there and how many parameters it holds.
+        """Say what each owner runs.
 
         Returns:
-            ``{worker_name: (mode, kernel, num_params)}``, e.g. ``("eager", "fused", 2)``.
+            ``{worker: (mode, kernel, number of parameters)}``, e.g. ``("eager", "fused", 2)``.
         """
         return self._call_owners("describe")
 
@@ -332,6 +305,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if apply:
                 self._passes = 0
                 self._coef.clear()
+            # Owners get a group's hyperparameters again only when they changed.
             sent: list[dict[str, Any]] = self._sent_hparams or []
             changed = {i: h for i, h in enumerate(hparams) if i >= len(sent) or h != sent[i]}
             self._sent_hparams = hparams
@@ -342,7 +316,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise
 
     def skip(self, context_id: int) -> None:
-        """Drop the gradients of ``context_id`` and of the current accumulation window everywhere
+        """Drop the gradients of ``context_id`` and of the accumulation window on every owner
         (what :class:`DistributedGradScaler` does when an owner found an inf/NaN).
 
         Args:
@@ -355,19 +329,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._call_owners("skip")
 
     def state_dict(self) -> dict[str, Any]:
-        """Gather the owners' state into one ``torch.optim``-format state dict (parameter ``i`` is
-        ``params_rref[i]``; mid-window it also holds the window, see ``docs/optim.md``), with the
-        state-dict hooks run as ``torch.optim.Optimizer.state_dict`` runs them.
+        """Gather the owners' state in ``torch.optim``'s format (parameter ``i`` is
+        ``params_rref[i]``), running the state-dict hooks as ``torch.optim`` does.
 
         Returns:
-            ``{"state": {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``
-            (plus ``"accumulation": {"passes": k, "gradients": {index: tensor}}`` mid-window).
+            ``{"state": {i: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``, and
+            mid-window ``"accumulation": {"passes": k, "gradients": {i: tensor}}``.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         with self._lock:
-            passes = self._passes
-            per_owner = self._call_owners("state")
+            passes, per_owner = self._passes, self._call_owners("state")
         state: dict[int, dict[str, Any]] = {}
         window: dict[int, Tensor] = {}
         for owner, indices in self._owner_indices.items():
@@ -379,35 +351,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     window[i] = accum[k]
         groups, start = [], 0
         for group in self.param_groups:
-            n = len(group["params"])
-            groups.append({**group, "params": list(range(start, start + n))})
-            start += n
+            groups.append({**group, "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
         out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
         if passes:
             out[_WINDOW] = {"passes": passes, "gradients": dict(sorted(window.items()))}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, out)
-            out = out if result is None else result
+            out = post_hook(self, out) or out
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Send a :meth:`state_dict` back to the owners, with the groups' hyperparameters and the
-        accumulation window (a fresh one if none was saved: earlier gradients are dropped); the
-        load-state-dict hooks run as ``torch.optim.Optimizer.load_state_dict`` runs them.
+        """Send a :meth:`state_dict` (or a ``torch.optim`` one of the same algorithm and groups)
+        back to the owners, with the groups' hyperparameters and the accumulation window (none
+        saved: a fresh one), running the load-state-dict hooks as ``torch.optim`` does.
 
         Args:
-            state_dict: A dict from :meth:`state_dict` (or a ``torch.optim`` state dict of the
-                same algorithm over the same param groups, in ``params_rref`` order).
+            state_dict: The dict to load.
 
         Raises:
-            ValueError: If the dict does not fit this optimizer (checked before any request).
+            ValueError: If it does not fit this optimizer (checked before any request).
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            state_dict = state_dict if result is None else result
+            state_dict = pre_hook(self, state_dict) or state_dict
         groups, given = state_dict.get("param_groups"), state_dict.get("state")
         if not isinstance(groups, Sequence) or not all(isinstance(g, Mapping) for g in groups):
             raise ValueError(
@@ -416,50 +384,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(given, Mapping):
             raise ValueError(f"state_dict['state'] must be a dict, got {type(given).__name__}")
         sizes = [len(g["params"]) for g in self.param_groups]
-        if [len(g.get("params", ())) for g in groups] != sizes:
+        if (got := [len(g.get("params", ())) for g in groups]) != sizes:
             raise ValueError(
-                f"state_dict must have {len(sizes)} param group(s) of {sizes} parameters, got "
-                f"{[len(g.get('params', ())) for g in groups]}"
+                f"state_dict must have {len(sizes)} param group(s) of {sizes} parameters, got {got}"
             )
         order = {pid: i for i, pid in enumerate(p for g in groups for p in g["params"])}
-        n = len(order)
-        states: dict[int, dict[str, Any]] = {}
         for key, value in given.items():
             if key not in order or not isinstance(value, dict):
                 raise ValueError(
                     f"state_dict['state'][{key!r}] must be a dict of state tensors, got "
-                    f"{type(value).__name__}, for a parameter of its param groups (0..{n - 1})"
+                    f"{type(value).__name__}, for a parameter of its groups (0..{len(order) - 1})"
                 )
-            states[order[key]] = value
         window = state_dict.get(_WINDOW)
-        passes = window.get("passes") if isinstance(window, Mapping) else None
-        grads = window.get("gradients") if isinstance(window, Mapping) else None
-        if window is not None and (
-            not isinstance(passes, int)
-            or not 0 < passes < self.backward_passes_per_step
-            or not isinstance(grads, Mapping)
-            or not all(k in order and isinstance(g, Tensor) for k, g in grads.items())
+        w = window if isinstance(window, Mapping) else {} if window is None else {"passes": None}
+        passes, grads = w.get("passes", 0), w.get("gradients", {})
+        if not (
+            isinstance(passes, int)
+            and isinstance(grads, Mapping)
+            and (window is None or 0 < passes < self.backward_passes_per_step)
+            and all(k in order and isinstance(g, Tensor) for k, g in grads.items())
         ):
             raise ValueError(
                 f"state_dict['{_WINDOW}'] must be {{'passes': k, 'gradients': {{index: tensor}}}}"
                 f" with 0 < k < backward_passes_per_step ({self.backward_passes_per_step}), got "
                 f"{window!r:.200}"
             )
-        accum = {order[k]: g for k, g in grads.items()} if grads is not None else None
+        states = {order[k]: v for k, v in given.items()}
+        accum = {order[k]: g for k, g in grads.items()} if window else None
         chunks = {
-            owner: (
-                [states.get(i) for i in indices],
-                None if accum is None else [accum.get(i) for i in indices],
-            )
-            for owner, indices in self._owner_indices.items()
+            owner: ([states.get(i) for i in mine], accum and [accum.get(i) for i in mine])
+            for owner, mine in self._owner_indices.items()
         }
         with self._lock:
             self._call_owners("load_state", per_owner=chunks)
-            for mine, saved in zip(self.param_groups, groups, strict=True):
-                mine.update({k: v for k, v in saved.items() if k != "params"})
-            self._passes = passes or 0
+            for group, saved in zip(self.param_groups, groups, strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            self._passes, self._sent_hparams = passes, None  # owners get the loaded values
             self._coef.clear()
-            self._sent_hparams = None  # the owners get the loaded hyperparameters on next step
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -485,7 +446,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())
 
     def _hparams(self) -> list[dict[str, Any]]:
-        """Each param group's float hyperparameters, the ones owners follow step by step."""
+        """Each group's float hyperparameters, the ones owners follow step by step."""
         out: list[dict[str, Any]] = []
         for group in self.param_groups:
             out.append({})
@@ -498,17 +459,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     out[-1][key] = float(value)
         return out
 
-    def _fan_out(
-        self, fn: Callable[..., Any], args: Callable[[str], tuple[Any, ...]], owners: Any = None
-    ) -> Any:
-        """``fn(*args(owner))`` for every owner (or those of ``owners``): the others by RPC,
-        concurrently with this process's own share, run inline. Raises the first error once
-        every owner has replied."""
-        owners = list(self._owner_indices if owners is None else owners)
+    def _fan_out(self, fn: Callable[..., Any], args: Callable[[str], Any], owners: Any) -> Any:
+        """``fn(*args(owner))`` for each of ``owners``: by RPC, concurrently with this process's
+        own share, run inline. Raises the first error once every owner has replied."""
         futures = {
-            owner: rpc.rpc_async(owner, fn, args=args(owner), timeout=self.timeout)
-            for owner in owners
-            if owner != self._me
+            o: rpc.rpc_async(o, fn, args=args(o), timeout=self.timeout)
+            for o in owners
+            if o != self._me
         }
         results: dict[str, Any] = {}
         error: BaseException | None = None
@@ -534,7 +491,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> dict[str, Any]:
         """Run ``method`` on every owner's local optimizer (see :meth:`_fan_out`)."""
         return self._fan_out(
-            _local.call, lambda o: (self._keys[o], method, *(per_owner[o] if per_owner else args))
+            _local.call,
+            lambda o: (self._keys[o], method, *(per_owner[o] if per_owner else args)),
+            list(self._keys),
         )
 
 
@@ -548,18 +507,17 @@ def check_optimizer(optimizer: Any) -> None:
 
 def is_number(value: Any, kind: type | tuple[type, ...] = (int, float)) -> bool:
     """Whether ``value`` is an instance of ``kind`` and not a bool (shared with grad_scaler)."""
-    # A bool is an int to Python, never a count or a number of seconds here.
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
-def _resolve_modes(mode: str | Mapping[str | int, str], owners: set[str]) -> dict[str, str]:
+def _resolve_modes(mode: str | Mapping[str | int, str], workers: Sequence[str]) -> dict[str, str]:
     if isinstance(mode, str):
         if mode not in _local.MODES:
             raise ValueError(f"mode must be one of {_local.MODES} or a mapping, got {mode!r}")
-        return dict.fromkeys(owners, mode)
+        return dict.fromkeys(workers, mode)
     if not isinstance(mode, Mapping):
         raise ValueError(f"mode must be a str or a mapping worker -> mode, got {mode!r}")
-    out = dict.fromkeys(owners, "auto")
+    out = dict.fromkeys(workers, "auto")
     for worker, value in mode.items():
         if value not in _local.MODES:
             raise ValueError(f"mode[{worker!r}] must be one of {_local.MODES}, got {value!r}")
@@ -573,32 +531,18 @@ def _resolve_modes(mode: str | Mapping[str | int, str], owners: set[str]) -> dic
 def _param_group(
     cls: type, functional: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
-    """Check the hyperparameters by building ``cls`` (over a probe tensor, or over no
-    parameters for a functional class); return its param group without ``params``."""
-
-    def build(params: list[Tensor], *a: Any, **kw: Any) -> Any:
-        try:
-            return cls(params, *a, **kw)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise ValueError(
-                f"{cls.__name__} rejected the hyperparameters args={args!r} kwargs={kwargs!r}: "
-                f"{exc}"
-            ) from exc
-
-    if functional:
-        signature = inspect.signature(cls)
-        try:
-            bound = signature.bind([], *args, **kwargs)
-        except TypeError as exc:
-            raise ValueError(f"{cls.__name__}{signature}: {exc}") from exc
-        bound.apply_defaults()
-        group = {k: v for k, v in bound.arguments.items() if k != "params"}
-    else:
-        probe = build([torch.zeros(1, requires_grad=True)], *args, **kwargs)
-        groups = getattr(probe, "param_groups", None)
-        if not groups:
-            raise ValueError(f"{cls.__name__} has no param_groups; is it an optimizer?")
-        group = {k: v for k, v in groups[0].items() if k != "params"}
+    """Check the hyperparameters by building ``cls`` (over a probe tensor; a functional class
+    over none); return its param group without ``params``."""
+    try:
+        if functional:
+            bound = inspect.signature(cls).bind([], *args, **kwargs)
+            bound.apply_defaults()
+            group = {k: v for k, v in bound.arguments.items() if k != "params"}
+        else:
+            probe = cls([torch.zeros(1, requires_grad=True)], *args, **kwargs)
+            group = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{cls.__name__} rejected args={args!r} kwargs={kwargs!r}: {exc}") from exc
     for flag in ("capturable", "differentiable"):
         if group.get(flag):
             raise ValueError(
@@ -611,7 +555,10 @@ def _param_group(
     if group.get("foreach") and group.get("fused"):
         raise ValueError("fused=True and foreach=True cannot be used together; pick one")
     if functional:
-        build([], **group)
+        try:
+            cls([], **group)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{cls.__name__} rejected {group!r}: {exc}") from exc
     return group
 
 
