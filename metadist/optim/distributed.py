@@ -14,8 +14,7 @@ from torch import Tensor
 
 from metadist.autograd import check_context
 from metadist.optim import _local
-from metadist.optim.functional import TUPLE_KEYS
-from metadist.optim.registry import get_functional_optimizer
+from metadist.optim.functional import TUPLE_KEYS, get_functional_optimizer
 from metadist.optim.scripting import torchscript_status
 from metadist.world import get_worker_name, get_worker_names, require_rpc, wait_all
 
