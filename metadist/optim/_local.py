@@ -1,7 +1,5 @@
-"""The owner's side of the distributed optimizer: one :class:`LocalOptimizer` per (optimizer,
-owner) holds the parameters, one optimizer per param group, the accumulation window and the
-staged gradients behind a timed lock (concurrent steps are serialized); :func:`call` reaches it.
-"""
+"""The owner's side of the distributed optimizer: a :class:`LocalOptimizer` per (optimizer,
+owner), one optimizer per param group in it, reached by :func:`call`."""
 
 from __future__ import annotations
 
@@ -40,7 +38,7 @@ _keys = itertools.count()
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """What every owner's local optimizer shares, sent when it is created."""
+    """What an owner's local optimizer is built with."""
 
     optimizer_class: type
     functional_class: type | None
@@ -51,8 +49,8 @@ class Spec:
 
 
 class TimedLock:
-    """A lock whose ``with`` gives up after ``timeout`` seconds (``<= 0``: waits as long as RPC
-    calls do). A plain class: cheaper than a generator-based context manager."""
+    """A lock whose ``with`` gives up after ``timeout`` seconds (``<= 0``: never); a plain class
+    is cheaper than a generator-based context manager."""
 
     __slots__ = ("lock", "timeout", "what")
 
@@ -78,8 +76,8 @@ def constructor_kwargs(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
 def eager_kernel(
     accepted: set[str], params: list[Tensor], foreach: bool | None, fused: bool | None
 ) -> str:
-    """Pick ``"fused"``, ``"foreach"`` or ``"single-tensor"`` for a functional class taking the
-    arguments ``accepted``; only unset (``None``) ``foreach``/``fused`` flags are auto-picked."""
+    """``"fused"``, ``"foreach"`` or ``"single-tensor"`` for a functional class taking
+    ``accepted``; only unset (``None``) flags are auto-picked."""
     cpu_floats = all(p.dtype in _FUSED_DTYPES and p.device.type == "cpu" for p in params)
     if "fused" in accepted and (fused or (fused is None and not foreach and cpu_floats)):
         return "fused"
@@ -98,8 +96,8 @@ def _log_eager_fallback(name: str, problem: str) -> None:
 
 
 class Group:
-    """One param group's share of an owner's parameters (``params[start:stop]``) and the
-    optimizer that steps them with the group's hyperparameters."""
+    """One param group's share of an owner's parameters (``params[start:stop]``), stepped by its
+    own optimizer with the group's hyperparameters."""
 
     def __init__(self, spec: Spec, params: list[Tensor], start: int, hparams: dict[str, Any]):
         self.start, self.stop = start, start + len(params)
@@ -148,8 +146,7 @@ class Group:
                 _log_eager_fallback(cls.__name__, str(exc))  # its own class failed
                 self.mode = "eager"
 
-    def get(self, name: str) -> Any:
-        """The optimizer's ``state`` or ``defaults`` (a scripted module's come by method)."""
+    def get(self, name: str) -> Any:  # ``state`` or ``defaults`` (scripted: by method)
         if self.mode == "scripted":
             return getattr(self.optim, f"get_{name}")()
         return getattr(self.optim, name)
@@ -160,8 +157,7 @@ class Group:
         else:
             setattr(self.optim, name, value)
 
-    def update(self, hparams: dict[str, Any]) -> None:
-        """Take the group's new float hyperparameters (torch param-group names)."""
+    def update(self, hparams: dict[str, Any]) -> None:  # torch's param-group names
         if self.mode == "torch":
             self.optim.param_groups[0].update(hparams)
         else:
@@ -185,7 +181,7 @@ class Group:
 
 
 class LocalOptimizer:
-    """The optimizer of one owner's share of the parameters; its methods hold its lock."""
+    """One owner's share of the parameters, its groups, window and staged gradients."""
 
     def __init__(self, spec: Spec) -> None:
         self.spec = spec
@@ -196,7 +192,7 @@ class LocalOptimizer:
         self.staged: dict[int, list[Tensor | None]] = {}
 
     def add(self, index: int, param_rrefs: list[rpc.RRef[Tensor]], hparams: dict[str, Any]) -> None:
-        """Add this owner's share of param group ``index`` (RRefs to tensors it owns)."""
+        """Add this owner's share of param group ``index``."""
         here, params = rpc.get_worker_info().name, [r.local_value() for r in param_rrefs]
         for i, value in enumerate(params):
             if not isinstance(value, Tensor):
@@ -215,13 +211,12 @@ class LocalOptimizer:
                     grads.extend([None] * len(params))
 
     def _gradients(self, context_id: int, apply: bool, pop: bool) -> list[Tensor | None]:
-        """The gradients a step of ``context_id`` uses: staged ones, else the context's own
-        (with the accumulated window added and averaged when this step applies)."""
+        """The gradients a step of ``context_id`` uses: staged ones, else the context's (plus the
+        window's, averaged, when it applies)."""
         staged = self.staged.pop(context_id, None) if pop else self.staged.get(context_id)
         if staged is not None:
             return staged
-        # Empty where this owner took no part in the context's backward pass. Tensors hash by
-        # identity, so the dict is looked up by parameter directly.
+        # Empty where this owner took no part in the backward pass; tensors hash by identity.
         found = gradients_here(context_id)
         grads: list[Tensor | None] = [found.get(p) for p in self.params]
         if not apply:
@@ -239,8 +234,8 @@ class LocalOptimizer:
     def step(
         self, context_id: int, apply: bool, coef: float, hparams: dict[int, dict[str, Any]] | None
     ) -> None:
-        """Accumulate (``apply`` false) or apply the gradients of ``context_id`` times ``coef``;
-        ``hparams`` (per param group) is sent only for groups whose values changed."""
+        """Accumulate (``apply`` false) or apply the gradients of ``context_id`` times ``coef``,
+        after taking ``hparams``, the groups' changed hyperparameters."""
         with self.lock:
             for index, values in (hparams or {}).items():
                 if index in self.groups:
@@ -270,8 +265,8 @@ class LocalOptimizer:
     def stage(
         self, context_id: int, apply: bool, inv_scale: float | None, norm_type: float | None
     ) -> tuple[bool, Tensor | None]:
-        """Unscale (by ``inv_scale``) and keep the gradients the next step of ``context_id``
-        uses; return whether any is inf/NaN and their norm of order ``norm_type``."""
+        """Unscale and keep the gradients the next step of ``context_id`` uses; return whether
+        any is inf/NaN, and their norm."""
         with self.lock:
             grads = self._gradients(context_id, apply, pop=False)
             found_inf = False
@@ -285,7 +280,7 @@ class LocalOptimizer:
             return found_inf, torch.nn.utils.get_total_norm(present, norm_type)
 
     def state(self) -> tuple[list[dict[str, Any] | None], list[Tensor | None] | None]:
-        """Copies of the optimizer state (one entry per parameter) and of the open window."""
+        """Copies of the state (per parameter) and of the window."""
         with self.lock:
             by_id = {id(p): s for g in self.groups.values() for p, s in g.get("state").items()}
             states = [
@@ -297,10 +292,9 @@ class LocalOptimizer:
     def load_state(
         self, states: list[dict[str, Any] | None], accum: list[Tensor | None] | None
     ) -> None:
-        """Replace the optimizer state and the accumulation window (``None``: a fresh one)."""
+        """Replace the state and the window (``None``: a fresh one)."""
         with self.lock:
-            # Convert everything first (the strict zips check the lengths): a bad state must leave
-            # this owner as it was.
+            # Converted first, lengths checked: a bad state leaves this owner as it was.
             new = {
                 index: {
                     p: {k: _as_state(v, p, g.mode != "torch") for k, v in s.items()}
@@ -325,7 +319,7 @@ class LocalOptimizer:
                     group.set("state", new[index])
 
     def describe(self) -> tuple[str, str, int]:
-        """``(mode, kernel, number of parameters)``; "+" joins a group's if they differ."""
+        """``(mode, kernel, number of parameters)``; "+" joins the groups' if they differ."""
         modes = "+".join(dict.fromkeys(g.mode for g in self.groups.values()))
         return (
             modes,
@@ -347,15 +341,11 @@ def _as_state(value: Any, param: Tensor, tensors_only: bool) -> Any:
     return value.detach().to(device=param.device, dtype=param.dtype, copy=True)
 
 
-# -- module-level functions the caller invokes over RPC (pickled by reference) ----------------
-
-
 def create(
     spec: Spec, groups: list[tuple[int, list[rpc.RRef[Tensor]], dict[str, Any]]]
 ) -> tuple[rpc.RRef[LocalOptimizer], int]:
-    """Build this owner's local optimizer with its share of ``groups`` (``(index, RRefs,
-    hyperparameters)``; RPC target, or called in-process for the caller's own share); return an
-    RRef to it, which keeps it alive, and its key."""
+    """Build this owner's local optimizer with its share of ``groups``; return an RRef that keeps
+    it alive, and its key (RPC target, or called in-process for the caller's share)."""
     local = LocalOptimizer(spec)
     for group in groups:
         local.add(*group)

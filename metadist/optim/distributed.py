@@ -33,8 +33,8 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
 ) -> Tensor:
-    """Clip the gradients the next ``optimizer.step(context_id)`` applies by their norm over all
-    owners, as ``torch.nn.utils.clip_grad_norm_`` does in one process.
+    """Clip the gradients ``optimizer.step(context_id)`` applies by their norm over all owners,
+    as ``torch.nn.utils.clip_grad_norm_`` does in one process.
 
     Args:
         optimizer: The :class:`DistributedOptimizer`.
@@ -73,10 +73,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """Optimize parameters that live on several workers, each owner stepping its own share.
 
     A drop-in for ``torch.distributed.optim.DistributedOptimizer`` that is a whole
-    ``torch.optim.Optimizer`` (param groups, hooks, schedulers, ``state_dict``; ``state`` stays
-    empty). ``step(context_id)`` sends one request per owner, which steps its parameters that have
-    a gradient in that context with their group's hyperparameters, running the functional twin of
-    ``optimizer_class`` (eager or scripted, see ``mode``) or, without one, the class itself.
+    ``torch.optim.Optimizer`` (``state`` stays empty). ``step(context_id)`` sends one request per
+    owner, which steps its parameters with a gradient in that context by their group's
+    hyperparameters with the functional twin of ``optimizer_class``, or the class itself. Example:
+    ``docs/optim.md``.
 
     Args:
         optimizer_class: A ``torch.optim.Optimizer`` subclass or a registered functional class.
@@ -94,22 +94,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         TypeError: On an argument of the wrong type (a non-RRef parameter, ...).
         ValueError: On a wrong value (no or duplicated parameters, hyperparameters the class
             rejects, ...). Both before any request.
-
-    Example:
-        >>> import torch
-        >>> import torch.distributed.rpc as rpc
-        >>> import metadist
-        >>> from metadist.optim import DistributedOptimizer
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     w = rpc.RRef(torch.ones(3, requires_grad=True))
-        ...     opt = DistributedOptimizer(torch.optim.SGD, [w], lr=0.5)
-        ...     with metadist.autograd.context() as cid:
-        ...         metadist.autograd.backward(cid, [w.to_here().sum()])
-        ...         opt.step(cid)
-        ...     return w.to_here(), opt.describe()
-        >>> main()
-        (tensor([0.5000, 0.5000, 0.5000], requires_grad=True), {'worker0': ('eager', 'fused', 1)})
     """
 
     def __init__(
