@@ -1,5 +1,4 @@
-"""Loss scaling for mixed precision when the parameters are spread over several owners, by the
-sharded-scaler rule: all owners step or all skip (``docs/optim.md``)."""
+"""Loss scaling for mixed precision over parameters on several owners: all step or all skip."""
 
 from __future__ import annotations
 
@@ -25,11 +24,9 @@ _STATE: dict[str, tuple[str, type]] = {
 
 
 class DistributedGradScaler:
-    """``torch.amp.GradScaler`` for a :class:`DistributedOptimizer`.
-
-    Per step: ``scale(loss)``, backward, optionally ``unscale_`` then :func:`clip_grad_norm_`,
-    ``step(opt, cid)``, ``update()``; with accumulation, ``update`` only after the pass that
-    applies. A complete run: ``docs/optim.md``.
+    """``torch.amp.GradScaler`` for a :class:`DistributedOptimizer`: ``scale(loss)``, backward,
+    ``unscale_`` and :func:`clip_grad_norm_` if clipping, ``step(opt, cid)``, ``update()`` (after
+    the applying pass of a window). A complete run: ``docs/optim.md``.
 
     Args:
         init_scale: Initial scale factor.
@@ -66,15 +63,15 @@ class DistributedGradScaler:
         self._unscaled: dict[tuple[int, int], bool] = {}
 
     def is_enabled(self) -> bool:
-        """Return whether scaling is on.
+        """Whether scaling is on.
 
         Returns:
-            The ``enabled`` flag given at construction.
+            The ``enabled`` flag.
         """
         return self._enabled
 
     def get_scale(self) -> float:
-        """Return the current scale factor.
+        """The current scale factor.
 
         Returns:
             The scale factor (``1.0`` when disabled).
@@ -102,8 +99,8 @@ class DistributedGradScaler:
         raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {outputs!r}")
 
     def unscale_(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
-        """Unscale, on every owner, the gradients ``optimizer.step(context_id)`` will apply
-        (before :func:`clip_grad_norm_`, at most once per step).
+        """Unscale on every owner the gradients ``optimizer.step(context_id)`` applies (before
+        :func:`clip_grad_norm_`; once per step).
 
         Args:
             optimizer: The distributed optimizer.
@@ -129,15 +126,15 @@ class DistributedGradScaler:
         return found
 
     def step(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
-        """Step ``optimizer`` unless any owner found an inf/NaN; then every owner skips (a pass
-        that only accumulates just steps: the check is on the gradients that get applied).
+        """Step ``optimizer`` unless an owner found an inf/NaN, then all skip (a pass that only
+        accumulates just steps: the gradients that get applied are checked).
 
         Args:
             optimizer: The distributed optimizer.
             context_id: A distributed-autograd context id created in this process.
 
         Returns:
-            Whether the owners updated their parameters (not if they skipped or accumulated).
+            Whether the owners updated their parameters.
 
         Raises:
             TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
@@ -158,7 +155,7 @@ class DistributedGradScaler:
         return True
 
     def update(self, new_scale: float | None = None) -> None:
-        """Update the scale: back off after an inf/NaN, grow after ``growth_interval`` clean steps.
+        """Back the scale off after an inf/NaN, or grow it after ``growth_interval`` clean steps.
 
         Args:
             new_scale: Set this scale instead (resets the growth tracker).
@@ -182,10 +179,10 @@ class DistributedGradScaler:
         self._found_inf_since_update = False
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the scaler's state (``torch.amp.GradScaler`` keys).
+        """The scaler's state.
 
         Returns:
-            ``{"scale": ..., "growth_factor": ..., ..., "_growth_tracker": ...}``.
+            Its values under ``torch.amp.GradScaler``'s keys.
         """
         return {key: getattr(self, attr) for key, (attr, _) in _STATE.items()}
 
