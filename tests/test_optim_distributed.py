@@ -623,7 +623,7 @@ def _check_bad_input(world_size: int) -> None:
                 {"state": {0: 3}, "param_groups": [{"params": list(range(6))}]}
             ),
             ValueError,
-            r"state_dict\['state'\]\[0\] must be a dict of state tensors, got int",
+            r"state_dict\['state'\]\[0\] must be a dict of state tensors .*, got 'int'",
         ),
     ]
     for call, error, message in wrong_types:

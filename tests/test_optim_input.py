@@ -120,7 +120,7 @@ ROWS = [
         "load_state_dict size",
         lambda fx: fx.opt.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]}),
         ValueError,
-        r"state_dict must have 1 param group\(s\) of \[2\] parameters",
+        r"state_dict must be 1 param group\(s\) of \[2\] parameters, got \[1\]",
     ),
     Row(
         "load_state_dict index",

@@ -5,7 +5,7 @@ their owners, with :class:`DistributedGradScaler` and :func:`clip_grad_norm_` (`
 
 from __future__ import annotations
 
-from metadist.optim.distributed import DistributedOptimizer, clip_grad_norm_
+from metadist.optim.distributed import DistributedGradScaler, DistributedOptimizer, clip_grad_norm_
 from metadist.optim.functional import (
     FunctionalAdadelta,
     FunctionalAdagrad,
@@ -19,7 +19,6 @@ from metadist.optim.functional import (
     get_functional_optimizer,
     register_functional_optimizer,
 )
-from metadist.optim.grad_scaler import DistributedGradScaler
 from metadist.optim.qhm import QHM, qhm
 from metadist.optim.scripting import ScriptedFunctionalOptimizer, script_functional_optimizer
 

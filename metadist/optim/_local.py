@@ -341,17 +341,18 @@ def _as_state(value: Any, param: Tensor, tensors_only: bool) -> Any:
     return value.detach().to(device=param.device, dtype=param.dtype, copy=True)
 
 
-def create(
-    spec: Spec, groups: list[tuple[int, list[rpc.RRef[Tensor]], dict[str, Any]]]
-) -> tuple[rpc.RRef[LocalOptimizer], int]:
-    """Build this owner's local optimizer with its share of ``groups``; return an RRef that keeps
-    it alive, and its key (RPC target, or called in-process for the caller's share)."""
-    local = LocalOptimizer(spec)
-    for group in groups:
-        local.add(*group)
-    key = next(_keys)
-    _LIVE[key] = local
-    return rpc.RRef(local), key
+def add(
+    key: int | None, spec: Spec, index: int, rrefs: list[rpc.RRef[Tensor]], hparams: dict[str, Any]
+) -> tuple[rpc.RRef[LocalOptimizer] | None, int]:
+    """Add this owner's share of param group ``index`` to its local optimizer ``key`` (``None``:
+    a new one); return an RRef that keeps a new one alive, and the key (RPC target)."""
+    use_process_threads()
+    local, rref = (_LIVE[key], None) if key is not None else (LocalOptimizer(spec), None)
+    local.add(index, rrefs, hparams)
+    if key is None:
+        key, rref = next(_keys), rpc.RRef(local)
+        _LIVE[key] = local
+    return rref, key
 
 
 def call(key: int, method: str, *args: Any) -> Any:

@@ -1,4 +1,5 @@
-"""The distributed optimizer: parameters stay on their owners, and so does the optimizer state."""
+"""The distributed optimizer (parameters and their state stay on their owners), its gradient
+clipping and its loss scaler (all owners step or all skip)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
@@ -18,12 +19,27 @@ from metadist.optim.functional import TUPLE_KEYS, get_functional_optimizer
 from metadist.optim.scripting import torchscript_status
 from metadist.world import get_worker_name, get_worker_names, require_rpc, wait_all
 
-__all__ = ["DistributedOptimizer", "clip_grad_norm_"]
+__all__ = ["DistributedGradScaler", "DistributedOptimizer", "clip_grad_norm_"]
 
+T = TypeVar("T")
 _KERNEL_FLAGS = ("foreach", "fused")
 # rpc.remote returns the C++ PyRRef; rpc.RRef is the typing-friendly Python subclass.
 _RREF_TYPES = (rpc.RRef, rpc.PyRRef)  # type: ignore[attr-defined]
 _WINDOW = "accumulation"  # the state_dict key of an open accumulation window
+
+
+def is_number(value: Any, kind: type | tuple[type, ...] = (int, float)) -> bool:
+    """Whether ``value`` is an instance of ``kind`` and not a bool."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _check(name: str, value: Any, ok: Any, expected: str, error: type = ValueError) -> None:
+    if not ok:
+        raise error(f"{name} must be {expected}, got {value!r}")
+
+
+def _positive(value: Any) -> bool:
+    return is_number(value) and value > 0 and math.isfinite(value)
 
 
 def clip_grad_norm_(
@@ -52,10 +68,8 @@ def clip_grad_norm_(
         RuntimeError: If ``error_if_nonfinite`` and the total norm is not finite.
     """
     check_optimizer(optimizer)
-    if not is_number(max_norm) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-    if not is_number(norm_type) or not norm_type > 0:
-        raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
+    _check("max_norm", max_norm, is_number(max_norm) and max_norm > 0, "a positive number")
+    _check("norm_type", norm_type, is_number(norm_type) and norm_type > 0, "> 0 or float('inf')")
     results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
     norms = [n.float() for _, n in results if n is not None]
     previous = optimizer._coef.get(context_id, 1.0)
@@ -108,29 +122,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         **kwargs: Any,
     ) -> None:
         require_rpc("DistributedOptimizer")
-        functional = get_functional_optimizer(optimizer_class)  # checks it is a class
-        if functional is None and not issubclass(optimizer_class, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer_class must be a torch.optim.Optimizer subclass or a registered "
-                f"functional optimizer class, got {optimizer_class!r}"
-            )
+        cls, functional = optimizer_class, get_functional_optimizer(optimizer_class)
+        expected = "a torch.optim.Optimizer subclass or a registered functional optimizer class"
+        _check(
+            "optimizer_class",
+            cls,
+            functional or issubclass(cls, torch.optim.Optimizer),
+            expected,
+            TypeError,
+        )
         kinds = (Tensor, Mapping, *_RREF_TYPES)
-        if isinstance(params_rref, kinds) or not isinstance(params_rref, Iterable):
-            raise TypeError(f"params_rref must be a list of RRefs or dicts, got {params_rref!r}")
+        ok = isinstance(params_rref, Iterable) and not isinstance(params_rref, kinds)
+        _check("params_rref", params_rref, ok, "a list of RRefs or dicts", TypeError)
         if not (groups := list(params_rref)):
             raise ValueError("params_rref is empty; pass at least one parameter RRef")
-        if not is_number(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(
-                f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
-            )
-        if not isinstance(average_accumulated, bool):
-            raise TypeError(f"average_accumulated must be a bool, got {average_accumulated!r}")
-        if timeout is None:
-            timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
-        elif not (is_number(timeout) and timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(
-                f"timeout must be a positive number of seconds or None, got {timeout!r}"
-            )
+        n = backward_passes_per_step
+        _check("backward_passes_per_step", n, is_number(n, int) and n >= 1, "an int >= 1")
+        ok = isinstance(average_accumulated, bool)
+        _check("average_accumulated", average_accumulated, ok, "a bool", TypeError)
+        ok = timeout is None or _positive(timeout)
+        _check("timeout", timeout, ok, "a positive number of seconds or None")
+        timeout = rpc.get_rpc_timeout() if timeout is None else timeout  # type: ignore[attr-defined]
         self._modes = _resolve_modes(mode, get_worker_names())
         scripted = functional and "scripted" in self._modes.values()
         if scripted and not (status := torchscript_status(functional))[0]:
@@ -138,30 +150,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"mode='scripted' needs TorchScript: {status[1]}. Use mode='eager' (or "
                 "'auto'), which steps the same functional optimizer without compiling it"
             )
-        self.optimizer_class, self._functional = optimizer_class, functional
-        self.backward_passes_per_step, self.timeout = backward_passes_per_step, float(timeout)
-        self.average_accumulated = average_accumulated
-        self._spec = _local.Spec(
-            optimizer_class, functional, "", backward_passes_per_step, average_accumulated, timeout
-        )
+        self.optimizer_class, self._functional, self.timeout = cls, functional, float(timeout)
+        self.backward_passes_per_step, self.average_accumulated = n, average_accumulated
+        self._spec = _local.Spec(cls, functional, "", n, average_accumulated, self.timeout)
         self.params_rref: list[rpc.RRef[Tensor]] = []  # every group's, in order
         self._owner_indices: dict[str, list[int]] = {}  # owner -> its indices in params_rref
-        self._keys: dict[str, int] = {}  # owner -> its optimizer's key (once built)
+        self._keys: dict[str, int] = {}  # owner -> its optimizer's key
         self._rrefs: dict[str, Any] = {}  # keep the owners' optimizers alive
-        self._owner_groups: list[dict[str, Any]] = []  # the groups' values, as owners get them
+        self._owner_groups: list[dict[str, Any]] = []  # each group's values, as owners get them
         self._passes, self._coef = 0, dict[int, float]()
         self._sent_hparams: list[dict[str, Any]] | None = None
         self._lock = _local.TimedLock(self.timeout, "the optimizer lock")
-        self._me = get_worker_name()
+        self._me, self._built = get_worker_name(), False
         # Functional owners auto-pick only kernel flags that are unset (None). A flag the user did
         # not pass is unset whatever the class defaults it to.
-        self._passed = _passed_names(optimizer_class, args, kwargs) if functional else None
+        self._passed = _passed_names(cls, args, kwargs) if functional else None
         self._flat = not isinstance(groups[0], Mapping)  # errors then name params_rref[i]
-        defaults = _param_group(optimizer_class, functional is optimizer_class, args, kwargs)
-        # torch's constructor sets its attributes and calls add_param_group on each group (which
-        # checks it and sends nothing before all are checked).
-        super().__init__(groups, defaults)  # type: ignore[arg-type]
-        self._build(range(len(self.param_groups)))
+        # torch's constructor sets its attributes and hooks up, and calls add_param_group on each
+        # group, which checks it; the groups are sent once all are checked.
+        super().__init__(groups, _param_group(cls, functional is cls, args, kwargs))  # type: ignore[arg-type]
+        for index in range(len(self.param_groups)):
+            self._send(index)
+        self._built = True
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -194,10 +204,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 one that differs from ``defaults`` where the functional twin does not take it.
         """
         index = len(self.param_groups)
-        where = "param_group" if self._keys else f"params_rref[{index}]"
-        if not isinstance(param_group, Mapping) or "params" not in param_group:
-            raise TypeError(f"{where} must be a dict with 'params', got {param_group!r:.80}")
-        where = "params_rref" if self._flat and not self._keys else f"{where}['params']"
+        where = "param_group" if self._built else f"params_rref[{index}]"
+        ok = isinstance(param_group, Mapping) and "params" in param_group
+        _check(where, param_group, ok, "a dict with 'params'", TypeError)
+        where = "params_rref" if self._flat and not self._built else f"{where}['params']"
         rrefs = param_group["params"]
         rrefs = [rrefs] if isinstance(rrefs, _RREF_TYPES) else rrefs
         if isinstance(rrefs, (set, Tensor)) or not isinstance(rrefs, Iterable):
@@ -214,45 +224,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if (owner := rref.owner().name) not in known:
                 raise ValueError(f"{where}[{i}] is owned by {owner!r}, not a worker: {known}")
         overrides = {k: v for k, v in param_group.items() if k != "params"}
-        group, cls = {**self.defaults, **overrides}, self.optimizer_class
+        group, cls, twin = {**self.defaults, **overrides}, self.optimizer_class, self._functional
         if overrides:  # the class's own checks of this group's values
-            _param_group(cls, cls is self._functional, (), _local.constructor_kwargs(cls, group))
-        twin = self._functional or cls
-        accepted = inspect.signature(twin).parameters if self._functional else group
+            _param_group(cls, cls is twin, (), _local.constructor_kwargs(cls, group))
         for key, value in overrides.items():
-            if key in self.defaults and key not in accepted and value != self.defaults[key]:
+            takes = twin is None or key in inspect.signature(twin).parameters
+            if not takes and key in self.defaults and value != self.defaults[key]:
                 raise ValueError(
-                    f"param group {index} sets {key}={value!r}, but {twin.__name__} takes no "
-                    f"{key!r}: it cannot differ from the default, {self.defaults[key]!r}"
+                    f"param group {index} sets {key}={value!r}, but {getattr(twin, '__name__', 0)}"
+                    f" takes no {key!r}: it cannot differ from the default, {self.defaults[key]!r}"
                 )
         self.param_groups.append({**group, "params": rrefs})
-        passed = None if self._passed is None else self._passed | set(overrides)
-        unset = [] if passed is None else [k for k in _KERNEL_FLAGS if k not in passed]
+        unset = [] if self._passed is None else _KERNEL_FLAGS
+        unset = [k for k in unset if k not in overrides and k not in (self._passed or ())]
         self._owner_groups.append({**group, **dict.fromkeys(unset)})
         for rref in rrefs:
             self._owner_indices.setdefault(rref.owner().name, []).append(len(self.params_rref))
             self.params_rref.append(rref)
-        if self._keys:  # after construction: send it now
+        if self._built:
             with self._lock:
-                self._build([index])
+                self._send(index)
 
-    def _build(self, indices: Iterable[int]) -> None:
-        """Send the param groups ``indices`` to their owners, creating a new owner's optimizer."""
-        shares: dict[str, list[tuple[int, list[Any], dict[str, Any]]]] = {}
-        for index in indices:
-            for rref in self.param_groups[index]["params"]:
-                owner = shares.setdefault(rref.owner().name, [])
-                if not owner or owner[-1][0] != index:
-                    owner.append((index, [], self._owner_groups[index]))
-                owner[-1][1].append(rref)
-        new = [o for o in shares if o not in self._keys]
-        spec = lambda o: dataclasses.replace(self._spec, mode=self._modes[o])  # noqa: E731
-        created = self._fan_out(_local.create, lambda o: (spec(o), shares[o]), new)
-        self._rrefs.update({o: rref for o, (rref, _) in created.items()})
-        self._keys.update({o: key for o, (_, key) in created.items()})
-        added = [o for o in shares if o not in new]  # (one group: add_param_group's)
-        self._fan_out(_local.call, lambda o: (self._keys[o], "add", *shares[o][0]), added)
-        self._sent_hparams = self._hparams()
+    def _send(self, index: int) -> None:
+        """Send param group ``index`` to its owners (creating an owner's optimizer)."""
+        shares: dict[str, list[Any]] = {}
+        for rref in self.param_groups[index]["params"]:
+            shares.setdefault(rref.owner().name, []).append(rref)
+        spec, group = self._spec, self._owner_groups[index]
+        replies = self._fan_out(
+            _local.add,
+            lambda o: (
+                self._keys.get(o),
+                dataclasses.replace(spec, mode=self._modes[o]),
+                index,
+                shares[o],
+                group,
+            ),
+            shares,
+        )
+        for owner, (rref, key) in replies.items():
+            self._rrefs.setdefault(owner, rref)
+            self._keys[owner] = key
+        self._sent_hparams = None  # every group's values go with the next step
 
     @property
     def next_step_applies(self) -> bool:
@@ -327,11 +340,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         window: dict[int, Tensor] = {}
         for owner, indices in self._owner_indices.items():
             states, accum = per_owner[owner]
-            for k, i in enumerate(indices):
-                if states[k] is not None:
-                    state[i] = states[k]
-                if accum is not None and accum[k] is not None:
-                    window[i] = accum[k]
+            state.update((i, s) for i, s in zip(indices, states, strict=True) if s is not None)
+            window.update(
+                (i, a)
+                for i, a in zip(indices, accum or [None] * len(indices), strict=True)
+                if a is not None
+            )
         groups, start = [], 0
         for group in self.param_groups:
             groups.append({**group, "params": list(range(start, start + len(group["params"])))})
@@ -354,44 +368,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: If it does not fit this optimizer (checked before any request).
         """
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        _check("state_dict", type(state_dict).__name__, isinstance(state_dict, Mapping), "a dict")
         state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
-        groups, given = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(groups, Sequence) or not all(isinstance(g, Mapping) for g in groups):
-            raise ValueError(
-                f"state_dict['param_groups'] must be a list of dicts, got {groups!r:.99}"
-            )
-        if not isinstance(given, Mapping):
-            raise ValueError(f"state_dict['state'] must be a dict, got {type(given).__name__}")
+        groups: Any = state_dict.get("param_groups")
+        given: Any = state_dict.get("state")
+        ok = isinstance(groups, Sequence) and all(isinstance(g, Mapping) for g in groups)
+        _check("state_dict['param_groups']", groups, ok, "a list of dicts")
+        _check("state_dict['state']", type(given).__name__, isinstance(given, Mapping), "a dict")
         sizes = [len(g["params"]) for g in self.param_groups]
-        if (got := [len(g.get("params", ())) for g in groups]) != sizes:
-            raise ValueError(
-                f"state_dict must have {len(sizes)} param group(s) of {sizes} parameters, got {got}"
-            )
+        got = [len(g.get("params", ())) for g in groups]
+        expected = f"{len(sizes)} param group(s) of {sizes} parameters"
+        _check("state_dict", got, got == sizes, expected)
         order = {pid: i for i, pid in enumerate(p for g in groups for p in g["params"])}
         for key, value in given.items():
-            if key not in order or not isinstance(value, dict):
-                raise ValueError(
-                    f"state_dict['state'][{key!r}] must be a dict of state tensors, got "
-                    f"{type(value).__name__}, for a parameter of its groups (0..{len(order) - 1})"
-                )
+            ok = key in order and isinstance(value, dict)
+            expected = f"a dict of state tensors for a parameter 0..{len(order) - 1}"
+            _check(f"state_dict['state'][{key!r}]", type(value).__name__, ok, expected)
         window = state_dict.get(_WINDOW)
         w = window if isinstance(window, Mapping) else {} if window is None else {"passes": None}
-        passes, grads = w.get("passes", 0), w.get("gradients", {})
-        if not (
+        passes: Any = w.get("passes", 0)
+        grads: Any = w.get("gradients", {})
+        ok = (
             isinstance(passes, int)
             and isinstance(grads, Mapping)
             and (window is None or 0 < passes < self.backward_passes_per_step)
             and all(k in order and isinstance(g, Tensor) for k, g in grads.items())
-        ):
-            raise ValueError(
-                f"state_dict['{_WINDOW}'] must be {{'passes': k, 'gradients': {{index: tensor}}}}"
-                f" with 0 < k < backward_passes_per_step ({self.backward_passes_per_step}), got "
-                f"{window!r:.200}"
-            )
+        )
+        expected = "{'passes': k, 'gradients': {index: tensor}} with 0 < k < "
+        _check(
+            f"state_dict['{_WINDOW}']",
+            window,
+            ok,
+            f"{expected}backward_passes_per_step ({self.backward_passes_per_step})",
+        )
         states = {order[k]: v for k, v in given.items()}
         accum = {order[k]: g for k, g in grads.items()} if window else None
         chunks = {
@@ -482,28 +493,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 def check_optimizer(optimizer: Any) -> None:
     """Raise ``TypeError`` unless ``optimizer`` is a :class:`DistributedOptimizer`."""
-    if not isinstance(optimizer, DistributedOptimizer):
-        raise TypeError(
-            f"optimizer must be a metadist DistributedOptimizer, got {type(optimizer).__name__}"
-        )
-
-
-def is_number(value: Any, kind: type | tuple[type, ...] = (int, float)) -> bool:
-    """Whether ``value`` is an instance of ``kind`` and not a bool (shared with grad_scaler)."""
-    return isinstance(value, kind) and not isinstance(value, bool)
+    ok = isinstance(optimizer, DistributedOptimizer)
+    expected = "a metadist DistributedOptimizer"
+    _check("optimizer", type(optimizer).__name__, ok, expected, TypeError)
 
 
 def _resolve_modes(mode: str | Mapping[str | int, str], workers: Sequence[str]) -> dict[str, str]:
     if isinstance(mode, str):
-        if mode not in _local.MODES:
-            raise ValueError(f"mode must be one of {_local.MODES} or a mapping, got {mode!r}")
+        _check("mode", mode, mode in _local.MODES, f"one of {_local.MODES} or a mapping")
         return dict.fromkeys(workers, mode)
-    if not isinstance(mode, Mapping):
-        raise ValueError(f"mode must be a str or a mapping worker -> mode, got {mode!r}")
+    _check("mode", mode, isinstance(mode, Mapping), "a str or a mapping worker -> mode")
     out = dict.fromkeys(workers, "auto")
     for worker, value in mode.items():
-        if value not in _local.MODES:
-            raise ValueError(f"mode[{worker!r}] must be one of {_local.MODES}, got {value!r}")
+        _check(f"mode[{worker!r}]", value, value in _local.MODES, f"one of {_local.MODES}")
         try:
             out[get_worker_name(worker)] = value
         except (TypeError, ValueError) as exc:
@@ -527,14 +529,11 @@ def _param_group(
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{cls.__name__} rejected args={args!r} kwargs={kwargs!r}: {exc}") from exc
     for flag in ("capturable", "differentiable"):
-        if group.get(flag):
-            raise ValueError(
-                f"{flag}={group[flag]!r} is not supported by DistributedOptimizer "
-                "(owners step outside autograd and graph capture)"
-            )
+        why = "(owners step outside autograd and graph capture)"
+        _check(flag, group.get(flag), not group.get(flag), f"False for DistributedOptimizer {why}")
     for flag in _KERNEL_FLAGS:
-        if group.get(flag) is not None and not isinstance(group[flag], bool):
-            raise TypeError(f"{flag} must be True, False or None (unset), got {group[flag]!r}")
+        ok = group.get(flag) is None or isinstance(group[flag], bool)
+        _check(flag, group.get(flag), ok, "True, False or None (unset)", TypeError)
     if group.get("foreach") and group.get("fused"):
         raise ValueError("fused=True and foreach=True cannot be used together; pick one")
     if functional:
@@ -553,3 +552,188 @@ def _passed_names(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
         return set(kwargs)
     # Keywords land under **kwargs' own name when the class takes **kwargs: count them too.
     return set(bound.arguments) | set(kwargs)
+
+
+# state_dict key (torch.amp.GradScaler's) -> attribute and type.
+_SCALER_STATE: dict[str, tuple[str, type]] = {
+    "scale": ("_scale", float),
+    "growth_factor": ("growth_factor", float),
+    "backoff_factor": ("backoff_factor", float),
+    "growth_interval": ("growth_interval", int),
+    "_growth_tracker": ("_growth_tracker", int),
+}
+
+
+class DistributedGradScaler:
+    """``torch.amp.GradScaler`` for a :class:`DistributedOptimizer`: ``scale(loss)``, backward,
+    ``unscale_`` and :func:`clip_grad_norm_` if clipping, ``step(opt, cid)``, ``update()`` (after
+    the applying pass of a window). A complete run: ``docs/optim.md``.
+
+    Args:
+        init_scale: Initial scale factor.
+        growth_factor: Factor the scale grows by after ``growth_interval`` clean steps.
+        backoff_factor: Factor the scale shrinks by after a step with inf/NaN.
+        growth_interval: Clean steps between growths.
+        enabled: If ``False``, every method is a pass-through (``step`` just steps).
+
+    Raises:
+        ValueError: On a non-positive ``init_scale``, ``growth_factor <= 1``,
+            ``backoff_factor`` outside ``(0, 1)`` or ``growth_interval < 1``.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        grow, back, every = growth_factor, backoff_factor, growth_interval
+        _check("init_scale", init_scale, _positive(init_scale), "a positive finite number")
+        _check("growth_factor", grow, is_number(grow) and grow > 1.0, "a number > 1")
+        _check("backoff_factor", back, is_number(back) and 0 < back < 1.0, "a number in (0, 1)")
+        _check("growth_interval", every, is_number(every, int) and every >= 1, "an int >= 1")
+        self._scale, self._enabled = float(init_scale), enabled
+        self.growth_interval = growth_interval
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self._growth_tracker, self._found_inf_since_update = 0, False
+        self._unscaled: dict[tuple[int, int], bool] = {}
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is on.
+
+        Returns:
+            The ``enabled`` flag.
+        """
+        return self._enabled
+
+    def get_scale(self) -> float:
+        """The current scale factor.
+
+        Returns:
+            The scale factor (``1.0`` when disabled).
+        """
+        return self._scale if self._enabled else 1.0
+
+    def scale(self, outputs: T) -> T:
+        """Multiply a loss (or a list/tuple of them) by the scale factor.
+
+        Args:
+            outputs: A tensor or a list/tuple of tensors.
+
+        Returns:
+            The scaled tensor(s), same structure.
+
+        Raises:
+            TypeError: If ``outputs`` holds something other than tensors.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, Tensor):
+            return outputs * torch.tensor(self._scale, dtype=torch.float32, device=outputs.device)  # type: ignore[return-value]
+        if isinstance(outputs, list | tuple):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {outputs!r}")
+
+    def unscale_(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
+        """Unscale on every owner the gradients ``optimizer.step(context_id)`` applies (before
+        :func:`clip_grad_norm_`; once per step).
+
+        Args:
+            optimizer: The distributed optimizer.
+            context_id: A distributed-autograd context id created in this process.
+
+        Returns:
+            Whether any owner found an inf/NaN.
+
+        Raises:
+            TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+            RuntimeError: If called twice for the same step.
+        """
+        check_optimizer(optimizer)
+        key = (id(optimizer), context_id)
+        if key in self._unscaled:
+            raise RuntimeError(
+                f"unscale_ was already called for context {context_id} since the last step"
+            )
+        inv_scale = 1.0 / self._scale
+        found = self._enabled and any(
+            f for f, _ in optimizer.stage_gradients(context_id, inv_scale)
+        )
+        self._unscaled[key] = found
+        return found
+
+    def step(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
+        """Step ``optimizer`` unless an owner found an inf/NaN, then all skip (a pass that only
+        accumulates just steps: the gradients that get applied are checked).
+
+        Args:
+            optimizer: The distributed optimizer.
+            context_id: A distributed-autograd context id created in this process.
+
+        Returns:
+            Whether the owners updated their parameters.
+
+        Raises:
+            TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+        """
+        check_optimizer(optimizer)
+        key = (id(optimizer), context_id)
+        if not self._enabled or (not optimizer.next_step_applies and key not in self._unscaled):
+            self._unscaled.pop(key, None)
+            optimizer.step(context_id)
+            return not self._enabled
+        if key not in self._unscaled:
+            self.unscale_(optimizer, context_id)
+        if self._unscaled.pop(key):
+            self._found_inf_since_update = True
+            optimizer.skip(context_id)
+            return False
+        optimizer.step(context_id)
+        return True
+
+    def update(self, new_scale: float | None = None) -> None:
+        """Back the scale off after an inf/NaN, or grow it after ``growth_interval`` clean steps.
+
+        Args:
+            new_scale: Set this scale instead (resets the growth tracker).
+
+        Raises:
+            ValueError: If ``new_scale`` is not a positive finite number.
+        """
+        if not self._enabled:
+            return
+        self._unscaled.clear()
+        if new_scale is not None:
+            _check("new_scale", new_scale, _positive(new_scale), "a positive finite number")
+            self._scale, self._growth_tracker = float(new_scale), 0
+        elif self._found_inf_since_update:
+            self._scale, self._growth_tracker = self._scale * self.backoff_factor, 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker >= self.growth_interval:
+                self._scale, self._growth_tracker = self._scale * self.growth_factor, 0
+        self._found_inf_since_update = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state.
+
+        Returns:
+            Its values under ``torch.amp.GradScaler``'s keys.
+        """
+        return {key: getattr(self, attr) for key, (attr, _) in _SCALER_STATE.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`.
+
+        Args:
+            state_dict: A dict from :meth:`state_dict`.
+
+        Raises:
+            ValueError: If a key is missing.
+        """
+        if missing := set(_SCALER_STATE) - set(state_dict):
+            raise ValueError(f"state_dict is missing {sorted(missing)}")
+        for key, (attr, kind) in _SCALER_STATE.items():
+            setattr(self, attr, kind(state_dict[key]))
