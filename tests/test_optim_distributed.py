@@ -868,6 +868,25 @@ def _check_optimizer_interface(world_size: int) -> None:
     copy.deepcopy(ref)  # torch's own copies: a local optimizer holds its tensors
 
 
+def _check_add_group_on_new_owners(world_size: int) -> None:
+    """add_param_group mid-training with parameters of owners the optimizer had none on."""
+    model = Model(seed=140)
+    first = [i for i, (layer, _) in enumerate(Model.ORDER) if OWNERS[layer] == "worker1"]
+    rest = [i for i in range(len(Model.ORDER)) if i not in first]
+    kwargs = {"lr": 0.1, "momentum": 0.9}
+    opt = DistributedOptimizer(torch.optim.SGD, [model.rrefs[i] for i in first], **kwargs)
+    ref = torch.optim.SGD([model.local[i] for i in first], **kwargs)
+    assert set(opt.describe()) == {"worker1"}
+    for step, x in enumerate(_inputs(4, seed=141)):
+        if step == 2:
+            opt.add_param_group({"params": [model.rrefs[i] for i in rest], "lr": 0.05})
+            ref.add_param_group({"params": [model.local[i] for i in rest], "lr": 0.05})
+            assert set(opt.describe()) == set(OWNERS)
+        _dist_step(model, opt, x)
+        _local_step(model, ref, x)
+        model.assert_matches_local(what=f"groups added on new owners, step {step}")
+
+
 SCENARIOS = [
     _check_bad_input,
     _check_equivalence,
@@ -885,6 +904,7 @@ SCENARIOS = [
     _check_param_groups_window_clip_scaler,
     _check_schedulers,
     _check_optimizer_interface,
+    _check_add_group_on_new_owners,
 ]
 
 
