@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import pickle
 import re
 import threading
 from collections.abc import Callable
@@ -20,6 +21,10 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from _dist import Scenarios, run_scenarios
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from metadist.optim import (
     QHM,
@@ -480,7 +485,7 @@ def _check_state_dict(world_size: int) -> None:
         _dist_step(resumed, opt2, x)
     for i, (a, b) in enumerate(zip(continued, resumed.values(), strict=True)):
         assert torch.equal(a, b), f"param {i} differs after resume"
-    with pytest.raises(ValueError, match="1 param group over 6 parameters"):
+    with pytest.raises(ValueError, match=r"1 param group\(s\) of \[6\] parameters, got \[2\]"):
         opt2.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
 
 
@@ -557,6 +562,14 @@ def _check_bad_input(world_size: int) -> None:
         DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=-1.0)
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, backward_passes_per_step=0)
+    # MyQHM's twin takes lr, momentum and nu only: any other key cannot differ between groups.
+    qhm_groups = [{"params": model.rrefs[:3]}, {"params": model.rrefs[3:], "weight_decay": 0.1}]
+    with pytest.raises(
+        ValueError, match=r"param group 1 sets weight_decay=0.1, but FunctionalMyQHM takes no"
+    ):
+        DistributedOptimizer(MyQHM, qhm_groups, lr=0.1, momentum=0.9, nu=0.7)
+    qhm_groups[1] = {"params": model.rrefs[3:], "lr": 0.2}  # lr it takes, per group
+    DistributedOptimizer(MyQHM, qhm_groups, lr=0.1, momentum=0.9, nu=0.7)
     opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1)
     with pytest.raises(ValueError, match="context_id 987654321 is not a live"):
         opt.step(987654321)
@@ -610,7 +623,7 @@ def _check_bad_input(world_size: int) -> None:
                 {"state": {0: 3}, "param_groups": [{"params": list(range(6))}]}
             ),
             ValueError,
-            r"state_dict\['state'\]\[0\] must be a dict of state tensors, got int",
+            r"state_dict\['state'\]\[0\] must be a dict of state tensors .*, got 'int'",
         ),
     ]
     for call, error, message in wrong_types:
@@ -647,6 +660,233 @@ def _check_torchscript_unavailable(world_size: int) -> None:
         forget()
 
 
+# -- param groups and the rest of torch.optim.Optimizer's interface ----------------------------
+
+W, B = [0, 2, 4], [1, 3, 5]  # Model.ORDER: the weights' and the biases' positions
+
+
+def _groups(seq: list[Any], *extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Weights at their own lr, biases without weight decay (``extra`` merged per group)."""
+    return [
+        {"params": [seq[i] for i in W], "lr": 0.03, **extra[0]},
+        {"params": [seq[i] for i in B], "weight_decay": 0.0, **extra[1]},
+    ]
+
+
+def _check_param_groups(world_size: int) -> None:
+    """Per-group hyperparameters, a LambdaLR with one lambda per group, add_param_group mid
+    training, state_dict / load_state_dict with the groups (bit-exact resume): as torch.optim."""
+    cases: list[tuple[type, dict[str, Any], str]] = [
+        (torch.optim.Adam, {"lr": 0.05, "weight_decay": 0.1}, "auto"),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, "scripted"),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, "eager"),
+        (torch.optim.NAdam, {"lr": 0.05, "weight_decay": 0.1}, "auto"),  # torch.optim itself
+        (QHM, {"lr": 0.1, "momentum": 0.9, "nu": 0.7, "weight_decay": 0.1}, "auto"),
+    ]
+    lambdas = [lambda k: 0.9**k, lambda k: 1.0 / (k + 1)]
+    for n, (cls, kwargs, mode) in enumerate(cases):
+        if mode == "scripted" and not torchscript_status(get_functional_optimizer(cls))[0]:
+            continue
+        what = f"{cls.__name__} mode={mode}"
+        model = Model(seed=100 + n)
+        # The last bias joins later, in a group of its own.
+        extra = ({}, {"lr": 0.02})
+        first = _groups(model.rrefs, *extra)
+        first[1]["params"] = first[1]["params"][:2]
+        opt = DistributedOptimizer(cls, first, mode=mode, **kwargs)
+        ref_groups = _groups(model.local, *extra)
+        ref_groups[1]["params"] = ref_groups[1]["params"][:2]
+        ref = cls(ref_groups, **kwargs)
+        assert [len(g["params"]) for g in opt.param_groups] == [3, 2]
+        for mine, theirs in zip(opt.param_groups, ref.param_groups, strict=True):
+            assert {k: v for k, v in mine.items() if k != "params"} == {
+                k: v for k, v in theirs.items() if k != "params"
+            }, what
+        xs = _inputs(6, seed=101)
+        for step, x in enumerate(xs[:2]):
+            _dist_step(model, opt, x)
+            _local_step(model, ref, x)
+            model.assert_matches_local(what=f"{what} step {step}")
+        opt.add_param_group({"params": [model.rrefs[5]], "lr": 0.07})
+        ref.add_param_group({"params": [model.local[5]], "lr": 0.07})
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [*lambdas, lambdas[0]])
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, [*lambdas, lambdas[0]])
+        for step, x in enumerate(xs[2:4]):
+            _dist_step(model, opt, x)
+            _local_step(model, ref, x)
+            sched.step()
+            ref_sched.step()
+            assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+            model.assert_matches_local(what=f"{what} after add_param_group, step {step}")
+        sd, ref_sd = opt.state_dict(), ref.state_dict()
+        assert sd["param_groups"] == ref_sd["param_groups"], what
+        assert set(sd["state"]) == set(ref_sd["state"]), what
+        for i, entry in ref_sd["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(sd["state"][i][key], value, **TOL)
+        snapshot = model.values()
+        for x in xs[4:]:
+            _dist_step(model, opt, x)
+        continued = model.values()
+        # A fresh optimizer over fresh parameters, grouped alike, with other values: resumes.
+        resumed = Model(seed=0, values=snapshot)
+        groups = _groups(resumed.rrefs, {"lr": 9.0}, {})
+        groups[1]["params"] = groups[1]["params"][:2]
+        groups.append({"params": [resumed.rrefs[5]]})
+        opt2 = DistributedOptimizer(cls, groups, mode=mode, **kwargs)
+        opt2.load_state_dict(sd)
+        assert opt2.param_groups[0]["lr"] == sd["param_groups"][0]["lr"]
+        for x in xs[4:]:
+            _dist_step(resumed, opt2, x)
+        for i, (a, b) in enumerate(zip(continued, resumed.values(), strict=True)):
+            assert torch.equal(a, b), f"{what}: param {i} differs after resume"
+        with pytest.raises(ValueError, match=r"3 param group\(s\) of \[3, 2, 1\] parameters"):
+            opt2.load_state_dict(ref_sd | {"param_groups": ref_sd["param_groups"][:2]})
+
+
+def _check_param_groups_window_clip_scaler(world_size: int) -> None:
+    """Accumulation, clipping and the grad scaler over param groups, as torch.optim does them."""
+    kwargs = {"lr": 0.05, "weight_decay": 0.1}
+    model = Model(seed=110)
+    opt = DistributedOptimizer(
+        torch.optim.AdamW, _groups(model.rrefs, {}, {}), backward_passes_per_step=2, **kwargs
+    )
+    ref = torch.optim.AdamW(_groups(model.local, {}, {}), **kwargs)
+    xs = _inputs(4, seed=111)
+    _window(model, opt, ref, xs[0:2])
+    model.assert_matches_local(what="groups: accumulation window")
+    scaler = DistributedGradScaler(init_scale=2.0**8)
+    x = xs[2] * 3
+    for k in range(2):  # one window: clip on the applying pass, after unscaling
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [scaler.scale(model.dist_loss(x))])
+            if opt.next_step_applies:
+                scaler.unscale_(opt, cid)
+                total = clip_grad_norm_(opt, cid, max_norm=0.1)
+            assert scaler.step(opt, cid) is (k == 1)
+    scaler.update()
+    ref.zero_grad()
+    model.local_loss(x).backward()
+    ref_total = torch.nn.utils.clip_grad_norm_(model.local, max_norm=0.1)
+    ref.step()
+    assert float(ref_total) > 0.1
+    torch.testing.assert_close(total, ref_total, **TOL)
+    model.assert_matches_local(what="groups: scaled, clipped window")
+
+
+def _check_schedulers(world_size: int) -> None:
+    """OneCycleLR (lr and betas per group) and ReduceLROnPlateau drive the groups as torch's."""
+    model = Model(seed=120)
+    opt = DistributedOptimizer(torch.optim.Adam, _groups(model.rrefs, {}, {}), lr=0.05)
+    ref = torch.optim.Adam(_groups(model.local, {}, {}), lr=0.05)
+    one = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.1, 0.05], total_steps=8)
+    ref_one = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=[0.1, 0.05], total_steps=8)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    ref_plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(ref, patience=0, factor=0.5)
+    for step, x in enumerate(_inputs(5, seed=121)):
+        _dist_step(model, opt, x)
+        _local_step(model, ref, x)
+        one.step()
+        ref_one.step()
+        plateau.step(1.0)  # never improves: halves every lr after the first step
+        ref_plateau.step(1.0)
+        for mine, theirs in zip(opt.param_groups, ref.param_groups, strict=True):
+            assert (mine["lr"], mine["betas"]) == (theirs["lr"], theirs["betas"]), step
+        model.assert_matches_local(what=f"OneCycleLR + ReduceLROnPlateau step {step}")
+
+
+def _check_optimizer_interface(world_size: int) -> None:
+    """Hooks, zero_grad, __repr__ and pickling, each beside the same call on torch.optim."""
+    model = Model(seed=130)
+    opt = DistributedOptimizer(torch.optim.Adam, _groups(model.rrefs, {}, {}), lr=0.05)
+    ref = torch.optim.Adam(_groups(model.local, {}, {}), lr=0.05)
+    assert repr(opt) == repr(ref).replace("Adam (", "DistributedOptimizer of Adam (", 1)
+    calls: dict[str, list[str]] = {"opt": [], "ref": []}
+
+    def recorder(name: str) -> Callable[..., None]:
+        def hook(optimizer: Any, *args: Any) -> None:
+            calls["opt" if optimizer is opt else "ref"].append(name)
+
+        return hook
+
+    handles = []
+    for o in (opt, ref):
+        handles += [
+            o.register_step_pre_hook(recorder("pre")),
+            o.register_step_post_hook(recorder("post")),
+            o.register_state_dict_pre_hook(recorder("sd_pre")),
+            o.register_load_state_dict_post_hook(recorder("load_post")),
+        ]
+    handles += [
+        register_optimizer_step_pre_hook(recorder("global_pre")),
+        register_optimizer_step_post_hook(recorder("global_post")),
+    ]
+
+    def mark(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        return {**sd, "marked": len(sd["state"])}
+
+    def halve_lr(optimizer: Any, sd: dict[str, Any]) -> None:
+        sd["param_groups"] = [{**g, "lr": g["lr"] / 2} for g in sd["param_groups"]]
+
+    for o in (opt, ref):
+        o.register_state_dict_post_hook(mark)
+        o.register_load_state_dict_pre_hook(halve_lr, prepend=True)
+    try:
+        for x in _inputs(2, seed=131):
+            opt.zero_grad()  # a no-op here: no stale gradient reaches the next step anyway
+            _dist_step(model, opt, x)
+            _local_step(model, ref, x)  # (calls ref.zero_grad())
+        model.assert_matches_local(what="with hooks and zero_grad")
+        sd, ref_sd = opt.state_dict(), ref.state_dict()
+        assert sd["marked"] == ref_sd["marked"] == 6
+        opt.load_state_dict(sd)
+        ref.load_state_dict(ref_sd)
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+        assert opt.param_groups[0]["lr"] == 0.015
+        assert calls["opt"] == calls["ref"], calls
+        expected = ["global_pre", "pre", "post", "global_post"] * 2 + ["sd_pre", "load_post"]
+        assert calls["opt"] == expected, calls
+    finally:
+        for handle in handles:
+            handle.remove()
+    # A step pre hook sees step's arguments and may replace them, as torch's may.
+    other = DistributedOptimizer(torch.optim.SGD, [rpc.RRef(_scalar(0.0))], lr=1.0)
+    seen: list[Any] = []
+    other.register_step_pre_hook(lambda o, args, kwargs: seen.append(args) or (args, kwargs))
+    with dist_autograd.context() as cid:
+        w = other.params_rref[0]
+        dist_autograd.backward(cid, [w.local_value().sum() * 3])
+        other.step(cid)
+    assert seen == [(other, cid)]  # as torch's: (self, *args)
+    assert w.local_value().item() == -3.0
+    other.register_step_pre_hook(lambda o, args, kwargs: "wrong")
+    with dist_autograd.context() as cid, pytest.raises(RuntimeError, match="must return None"):
+        other.step(cid)
+    for copy_it in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"cannot be pickled or copied.*state_dict"):
+            copy_it(opt)
+    copy.deepcopy(ref)  # torch's own copies: a local optimizer holds its tensors
+
+
+def _check_add_group_on_new_owners(world_size: int) -> None:
+    """add_param_group mid-training with parameters of owners the optimizer had none on."""
+    model = Model(seed=140)
+    first = [i for i, (layer, _) in enumerate(Model.ORDER) if OWNERS[layer] == "worker1"]
+    rest = [i for i in range(len(Model.ORDER)) if i not in first]
+    kwargs = {"lr": 0.1, "momentum": 0.9}
+    opt = DistributedOptimizer(torch.optim.SGD, [model.rrefs[i] for i in first], **kwargs)
+    ref = torch.optim.SGD([model.local[i] for i in first], **kwargs)
+    assert set(opt.describe()) == {"worker1"}
+    for step, x in enumerate(_inputs(4, seed=141)):
+        if step == 2:
+            opt.add_param_group({"params": [model.rrefs[i] for i in rest], "lr": 0.05})
+            ref.add_param_group({"params": [model.local[i] for i in rest], "lr": 0.05})
+            assert set(opt.describe()) == set(OWNERS)
+        _dist_step(model, opt, x)
+        _local_step(model, ref, x)
+        model.assert_matches_local(what=f"groups added on new owners, step {step}")
+
+
 SCENARIOS = [
     _check_bad_input,
     _check_equivalence,
@@ -660,6 +900,11 @@ SCENARIOS = [
     _check_lr_scheduler,
     _check_parameter_server,
     _check_torchscript_unavailable,
+    _check_param_groups,
+    _check_param_groups_window_clip_scaler,
+    _check_schedulers,
+    _check_optimizer_interface,
+    _check_add_group_on_new_owners,
 ]
 
 

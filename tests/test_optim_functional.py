@@ -234,9 +234,9 @@ def test_owner_kernel_choice_is_overridable() -> None:
     """
     small = [torch.zeros(8), torch.zeros(8)]  # CPU floats, mean size small: fused and foreach fit
 
-    def build(cls: type, fcls: type, mode: str = "auto", **kwargs: Any) -> _local.LocalOptimizer:
+    def build(cls: type, fcls: type, mode: str = "auto", **kwargs: Any) -> _local.Group:
         params = [t.clone() for t in small]
-        return _local.LocalOptimizer(_local.Spec(cls, fcls, kwargs, mode, 1, True, 10.0), params)
+        return _local.Group(_local.Spec(cls, fcls, mode, 1, True, 10.0), params, 0, kwargs)
 
     adam = {"lr": 0.1}
     qhm = {"lr": 0.1, "momentum": 0.9, "nu": 0.7}
@@ -259,7 +259,7 @@ def test_owner_kernel_choice_is_overridable() -> None:
     ]
     for cls, fcls, kwargs, expected in cases:
         local = build(cls, fcls, **kwargs)
-        assert local.describe() == ("eager", expected, 2), (cls.__name__, kwargs)
+        assert (local.mode, local.kernel) == ("eager", expected), (cls.__name__, kwargs)
         # The functional optimizer really runs that kernel (not just reports it).
         functional = local.optim
         assert bool(getattr(functional, "fused", False)) == (expected == "fused"), kwargs
@@ -275,8 +275,8 @@ def test_owner_kernel_choice_is_overridable() -> None:
         for p, g in zip(ref_params, grads, strict=True):
             p.grad = g
         ref.step()
-        local._apply(list(grads))
-    for mine, theirs in zip(local.params, ref_params, strict=True):
+        local.step(local.optim.params, list(grads))
+    for mine, theirs in zip(local.optim.params, ref_params, strict=True):
         torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="fused=True and foreach=True"):
         build(torch.optim.Adam, FunctionalAdam, lr=0.1, foreach=True, fused=True)
@@ -399,16 +399,16 @@ def test_torchscript_removed(
     try:
         assert _scripting.torchscript_status()[0] is False
 
-        def build(mode: str) -> _local.LocalOptimizer:
-            spec = _local.Spec(_UserSGD, _FunctionalUserSGD, {"lr": 0.5}, mode, 1, True, 10.0)
-            return _local.LocalOptimizer(spec, [torch.ones(2)])
+        def build(mode: str) -> _local.Group:
+            spec = _local.Spec(_UserSGD, _FunctionalUserSGD, mode, 1, True, 10.0)
+            return _local.Group(spec, [torch.ones(2)], 0, {"lr": 0.5})
 
         with caplog.at_level(logging.INFO, logger="metadist"):
             local = build("auto")
             build("auto")
-        assert local.describe() == ("eager", "single-tensor", 1)
-        local._apply([torch.ones(2)])
-        assert torch.equal(local.params[0], torch.full((2,), 0.5))
+        assert (local.mode, local.kernel) == ("eager", "single-tensor")
+        local.step(local.optim.params, [torch.ones(2)])
+        assert torch.equal(local.optim.params[0], torch.full((2,), 0.5))
         lines = [r.getMessage() for r in caplog.records if r.name == "metadist"]
         assert len(lines) == 1, lines
         assert re.search(r"TorchScript has been removed.*eagerly", lines[0]), lines
@@ -429,16 +429,15 @@ def test_torchscript_deprecated_auto_is_eager(caplog: pytest.LogCaptureFixture) 
     if problem is None:
         pytest.skip(f"torch {torch.__version__} does not deprecate TorchScript")
     assert works
-    spec = _local.Spec(_UserSGD, _FunctionalUserSGD, {"lr": 0.5}, "auto", 1, True, 10.0)
-    assert _local.LocalOptimizer(spec, [torch.ones(2)]).mode == "eager"
+    spec = _local.Spec(_UserSGD, _FunctionalUserSGD, "auto", 1, True, 10.0)
+    assert _local.Group(spec, [torch.ones(2)], 0, {"lr": 0.5}).mode == "eager"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        scripted = _local.LocalOptimizer(
-            dataclasses.replace(spec, mode="scripted"), [torch.ones(2)]
-        )
+        param = torch.ones(2)
+        scripted = _local.Group(dataclasses.replace(spec, mode="scripted"), [param], 0, {"lr": 0.5})
     assert scripted.mode == "scripted"
-    scripted._apply([torch.ones(2)])
-    assert torch.equal(scripted.params[0], torch.full((2,), 0.5))
+    scripted.step([param], [torch.ones(2)])
+    assert torch.equal(param, torch.full((2,), 0.5))
 
 
 @pytest.mark.parametrize(

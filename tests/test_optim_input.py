@@ -120,7 +120,7 @@ ROWS = [
         "load_state_dict size",
         lambda fx: fx.opt.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]}),
         ValueError,
-        r"state_dict must have 1 param group over 2 parameters",
+        r"state_dict must be 1 param group\(s\) of \[2\] parameters, got \[1\]",
     ),
     Row(
         "load_state_dict index",
@@ -129,10 +129,52 @@ ROWS = [
         r"state_dict\['state'\].*7",
     ),
     Row(
+        "param group without params",
+        lambda fx: _opt(fx, [{"lr": 0.1}]),
+        TypeError,
+        r"params_rref\[0\] must be a dict with 'params'",
+    ),
+    Row(
+        "param group after a list",
+        lambda fx: _opt(fx, [{"params": fx.rrefs[:1]}, fx.rrefs[1]]),
+        TypeError,
+        r"params_rref\[1\] must be a dict with 'params'",
+    ),
+    Row(
+        "param group set",
+        lambda fx: _opt(fx, [{"params": set(fx.rrefs)}]),
+        TypeError,
+        r"params_rref\[0\]\['params'\] must be a list of RRefs, got set",
+    ),
+    Row(
+        "param group lr negative",
+        lambda fx: _opt(fx, [{"params": fx.rrefs[:1]}, {"params": fx.rrefs[1:], "lr": -1.0}]),
+        ValueError,
+        r"Invalid learning rate",
+    ),
+    Row(
+        "param in two groups",
+        lambda fx: _opt(fx, [{"params": fx.rrefs[:1]}, {"params": fx.rrefs[:1]}]),
+        ValueError,
+        r"params_rref\[1\]\['params'\]\[0\] is listed twice",
+    ),
+    Row(
+        "add_param_group overlap",
+        lambda fx: fx.opt.add_param_group({"params": fx.rrefs[1:]}),
+        ValueError,
+        r"param_group\['params'\]\[0\] is listed twice",
+    ),
+    Row(
+        "add_param_group tensor",
+        lambda fx: fx.opt.add_param_group({"params": [fx.local]}),
+        TypeError,
+        r"param_group\['params'\]\[0\] must be an RRef, got Parameter",
+    ),
+    Row(
         "add_param_group",
         lambda fx: fx.opt.add_param_group({"params": []}),
-        NotImplementedError,
-        r"param group",
+        ValueError,
+        r"param_group\['params'\] is empty",
     ),
     Row(
         "clip optimizer",

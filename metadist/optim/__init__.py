@@ -5,7 +5,7 @@ their owners, with :class:`DistributedGradScaler` and :func:`clip_grad_norm_` (`
 
 from __future__ import annotations
 
-from metadist.optim.distributed import DistributedOptimizer, clip_grad_norm_
+from metadist.optim.distributed import DistributedGradScaler, DistributedOptimizer, clip_grad_norm_
 from metadist.optim.functional import (
     FunctionalAdadelta,
     FunctionalAdagrad,
@@ -16,29 +16,14 @@ from metadist.optim.functional import (
     FunctionalRMSprop,
     FunctionalRprop,
     FunctionalSGD,
+    get_functional_optimizer,
+    register_functional_optimizer,
 )
-from metadist.optim.grad_scaler import DistributedGradScaler
 from metadist.optim.qhm import QHM, qhm
-from metadist.optim.registry import get_functional_optimizer, register_functional_optimizer
 from metadist.optim.scripting import ScriptedFunctionalOptimizer, script_functional_optimizer
 
-__all__ = [
-    "DistributedGradScaler",
-    "DistributedOptimizer",
-    "FunctionalAdadelta",
-    "FunctionalAdagrad",
-    "FunctionalAdam",
-    "FunctionalAdamW",
-    "FunctionalAdamax",
-    "FunctionalQHM",
-    "FunctionalRMSprop",
-    "FunctionalRprop",
-    "FunctionalSGD",
-    "QHM",
-    "ScriptedFunctionalOptimizer",
-    "clip_grad_norm_",
-    "get_functional_optimizer",
-    "qhm",
-    "register_functional_optimizer",
-    "script_functional_optimizer",
-]
+__all__ = ["DistributedGradScaler", "DistributedOptimizer", "FunctionalAdadelta"]
+__all__ += ["FunctionalAdagrad", "FunctionalAdam", "FunctionalAdamW", "FunctionalAdamax"]
+__all__ += ["FunctionalQHM", "FunctionalRMSprop", "FunctionalRprop", "FunctionalSGD", "QHM"]
+__all__ += ["ScriptedFunctionalOptimizer", "clip_grad_norm_", "get_functional_optimizer", "qhm"]
+__all__ += ["register_functional_optimizer", "script_functional_optimizer"]

@@ -1,7 +1,5 @@
-"""The owner's side of the distributed optimizer: one :class:`LocalOptimizer` per (optimizer,
-owner) holds the parameters, their state, the accumulation window and the staged gradients behind
-a timed lock (``step`` calls from several trainers are serialized); :func:`call` reaches it by key.
-"""
+"""The owner's side of the distributed optimizer: a :class:`LocalOptimizer` per (optimizer,
+owner), one optimizer per param group in it, reached by :func:`call`."""
 
 from __future__ import annotations
 
@@ -40,11 +38,10 @@ _keys = itertools.count()
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """Everything an owner needs to build its local optimizer, sent once at construction."""
+    """What an owner's local optimizer is built with."""
 
     optimizer_class: type
     functional_class: type | None
-    kwargs: dict[str, Any]  # constructor hyperparameters; kernel flags are None when unset
     mode: str
     passes_per_step: int
     average: bool
@@ -52,8 +49,8 @@ class Spec:
 
 
 class TimedLock:
-    """A lock whose ``with`` gives up after ``timeout`` seconds (``<= 0``: waits as long as RPC
-    calls do). A plain class: cheaper than a generator-based context manager."""
+    """A lock whose ``with`` gives up after ``timeout`` seconds (``<= 0``: never); a plain class
+    is cheaper than a generator-based context manager."""
 
     __slots__ = ("lock", "timeout", "what")
 
@@ -68,11 +65,19 @@ class TimedLock:
         self.lock.release()
 
 
+def constructor_kwargs(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``hparams`` that ``cls``'s constructor takes (all, if it takes ``**``)."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(hparams)
+    return {k: v for k, v in hparams.items() if k in params and k != "params"}
+
+
 def eager_kernel(
     accepted: set[str], params: list[Tensor], foreach: bool | None, fused: bool | None
 ) -> str:
-    """Pick ``"fused"``, ``"foreach"`` or ``"single-tensor"`` for a functional class taking the
-    arguments ``accepted``; only unset (``None``) ``foreach``/``fused`` flags are auto-picked."""
+    """``"fused"``, ``"foreach"`` or ``"single-tensor"`` for a functional class taking
+    ``accepted``; only unset (``None``) flags are auto-picked."""
     cpu_floats = all(p.dtype in _FUSED_DTYPES and p.device.type == "cpu" for p in params)
     if "fused" in accepted and (fused or (fused is None and not foreach and cpu_floats)):
         return "fused"
@@ -90,28 +95,26 @@ def _log_eager_fallback(name: str, problem: str) -> None:
     logger.warning("metadist: %s; mode='auto' steps %s eagerly", problem, name)
 
 
-class LocalOptimizer:
-    """The optimizer for one owner's share of the parameters; its ``_`` helpers run locked."""
+class Group:
+    """One param group's share of an owner's parameters (``params[start:stop]``), stepped by its
+    own optimizer with the group's hyperparameters."""
 
-    def __init__(self, spec: Spec, params: list[Tensor]) -> None:
-        self.spec = spec
-        self.params = params
-        self.lock = TimedLock(spec.timeout, "this owner's optimizer lock")
-        self.accum: list[Tensor | None] | None = None
-        self.staged: dict[int, list[Tensor | None]] = {}
+    def __init__(self, spec: Spec, params: list[Tensor], start: int, hparams: dict[str, Any]):
+        self.start, self.stop = start, start + len(params)
         self.optim: Any  # a functional optimizer, its scripted module, or a torch.optim.Optimizer
-        functional_class = spec.functional_class
-        if functional_class is None:
+        cls = spec.functional_class
+        if cls is None:
             if spec.mode == "scripted":
                 raise ValueError(
                     f"mode='scripted' needs a functional optimizer registered for "
                     f"{spec.optimizer_class.__name__} (see register_functional_optimizer)"
                 )
             self.mode, self.kernel = "torch", "torch.optim"
-            self.optim = spec.optimizer_class(params, **spec.kwargs)
+            ctor = constructor_kwargs(spec.optimizer_class, hparams)
+            self.optim = spec.optimizer_class([{**hparams, "params": params}], **ctor)
             return
-        accepted = set(inspect.signature(functional_class).parameters)
-        kwargs = {k: v for k, v in spec.kwargs.items() if k in accepted and k != "params"}
+        accepted = set(inspect.signature(cls).parameters)
+        kwargs = {k: v for k, v in hparams.items() if k in accepted and k != "params"}
         foreach: bool | None = kwargs.pop("foreach", None)
         fused: bool | None = kwargs.pop("fused", None)
         if foreach and fused:
@@ -119,9 +122,9 @@ class LocalOptimizer:
         mode = spec.mode
         if mode == "auto":
             mode = "eager" if "foreach" in accepted or "fused" in accepted else "scripted"
-            problem = torchscript_status(functional_class)[1] if mode == "scripted" else None
+            problem = torchscript_status(cls)[1] if mode == "scripted" else None
             if problem is not None:
-                _log_eager_fallback(functional_class.__name__, problem)
+                _log_eager_fallback(cls.__name__, problem)
                 mode = "eager"
         if mode == "scripted" and (foreach or fused):
             raise ValueError(
@@ -133,36 +136,87 @@ class LocalOptimizer:
             self.kernel = eager_kernel(accepted, params, foreach, fused)
             if self.kernel != "single-tensor":
                 kwargs[self.kernel] = True
-        self.optim = functional = functional_class(params, **kwargs)
+        self.optim = functional = cls(params, **kwargs)
         if mode == "scripted":
             try:
                 self.optim = script_functional_optimizer(functional)
             except RuntimeError as exc:
                 if spec.mode != "auto":
                     raise
-                _log_eager_fallback(functional_class.__name__, str(exc))  # its own class failed
+                _log_eager_fallback(cls.__name__, str(exc))  # its own class failed
                 self.mode = "eager"
 
-    def _get(self, name: str) -> Any:
-        """The optimizer's ``state`` or ``defaults`` (a scripted module's come by method)."""
+    def get(self, name: str) -> Any:  # ``state`` or ``defaults`` (scripted: by method)
         if self.mode == "scripted":
             return getattr(self.optim, f"get_{name}")()
         return getattr(self.optim, name)
 
-    def _set(self, name: str, value: Any) -> None:
+    def set(self, name: str, value: Any) -> None:
         if self.mode == "scripted":
             getattr(self.optim, f"set_{name}")(value)
         else:
             setattr(self.optim, name, value)
 
+    def update(self, hparams: dict[str, Any]) -> None:  # torch's param-group names
+        if self.mode == "torch":
+            self.optim.param_groups[0].update(hparams)
+        else:
+            flat = flat_hparams(hparams)
+            self.set("defaults", {k: flat.get(k, v) for k, v in self.get("defaults").items()})
+
+    def step(self, params: list[Tensor], grads: list[Tensor | None]) -> None:
+        if self.mode != "torch":
+            self.optim.step(grads)
+            return
+        # Set .grad for exactly the parameters with a gradient in this step and clear it after,
+        # so that torch.optim never re-applies a stale .grad from an earlier context.
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        try:
+            with torch.no_grad():
+                self.optim.step()
+        finally:
+            for p in params:
+                p.grad = None
+
+
+class LocalOptimizer:
+    """One owner's share of the parameters, its groups, window and staged gradients."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.params: list[Tensor] = []
+        self.groups: dict[int, Group] = {}  # by the caller's param-group index
+        self.lock = TimedLock(spec.timeout, "this owner's optimizer lock")
+        self.accum: list[Tensor | None] | None = None
+        self.staged: dict[int, list[Tensor | None]] = {}
+
+    def add(self, index: int, param_rrefs: list[rpc.RRef[Tensor]], hparams: dict[str, Any]) -> None:
+        """Add this owner's share of param group ``index``."""
+        here, params = rpc.get_worker_info().name, [r.local_value() for r in param_rrefs]
+        for i, value in enumerate(params):
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"parameter RRef {i} on {here} holds a {type(value).__name__}, expected a "
+                    "torch.Tensor"
+                )
+        if len({id(p) for p in [*self.params, *params]}) < len(self.params) + len(params):
+            raise ValueError(f"the same tensor is listed twice on {here}; pass each once")
+        with self.lock:
+            group = Group(self.spec, params, len(self.params), hparams)
+            self.params += params
+            self.groups[index] = group
+            for grads in [self.accum, *self.staged.values()]:
+                if grads is not None:
+                    grads.extend([None] * len(params))
+
     def _gradients(self, context_id: int, apply: bool, pop: bool) -> list[Tensor | None]:
-        """The gradients a step of ``context_id`` uses: staged ones, else the context's own
-        (with the accumulated window added and averaged when this step applies)."""
+        """The gradients a step of ``context_id`` uses: staged ones, else the context's (plus the
+        window's, averaged, when it applies)."""
         staged = self.staged.pop(context_id, None) if pop else self.staged.get(context_id)
         if staged is not None:
             return staged
-        # Empty where this owner took no part in the context's backward pass. Tensors hash by
-        # identity, so the dict is looked up by parameter directly.
+        # Empty where this owner took no part in the backward pass; tensors hash by identity.
         found = gradients_here(context_id)
         grads: list[Tensor | None] = [found.get(p) for p in self.params]
         if not apply:
@@ -177,40 +231,24 @@ class LocalOptimizer:
             grads = [None if g is None else g / n for g in grads]
         return grads
 
-    def _apply(self, grads: list[Tensor | None]) -> None:
-        if self.mode != "torch":
-            self.optim.step(grads)
-            return
-        # Set .grad for exactly the parameters with a gradient in this step and clear it after,
-        # so that torch.optim never re-applies a stale .grad from an earlier context.
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
-        try:
-            with torch.no_grad():
-                self.optim.step()
-        finally:
-            for p in self.params:
-                p.grad = None
-
     def step(
-        self, context_id: int, apply: bool, coef: float, hparams: dict[str, Any] | None
+        self, context_id: int, apply: bool, coef: float, hparams: dict[int, dict[str, Any]] | None
     ) -> None:
-        """Accumulate (``apply`` false) or apply the gradients of ``context_id`` times ``coef``;
-        ``hparams`` (torch param-group names) is sent only when it changed."""
+        """Accumulate (``apply`` false) or apply the gradients of ``context_id`` times ``coef``,
+        after taking ``hparams``, the groups' changed hyperparameters."""
         with self.lock:
-            if hparams is not None and self.mode == "torch":
-                for group in self.optim.param_groups:
-                    group.update(hparams)
-            elif hparams is not None:
-                flat = flat_hparams(hparams)
-                self._set("defaults", {k: flat.get(k, v) for k, v in self._get("defaults").items()})
+            for index, values in (hparams or {}).items():
+                if index in self.groups:
+                    self.groups[index].update(values)
             grads = self._gradients(context_id, apply, pop=True)
             if coef != 1.0:
                 grads = [None if g is None else g * coef for g in grads]
             if apply:
                 self.accum = None
                 self.staged.clear()
-                self._apply(grads)
+                for group in self.groups.values():
+                    part = slice(group.start, group.stop)
+                    group.step(self.params[part], grads[part])
                 return
             accum: list[Tensor | None] = self.accum or [None] * len(self.params)
             for i, (a, g) in enumerate(zip(accum, grads, strict=True)):
@@ -227,8 +265,8 @@ class LocalOptimizer:
     def stage(
         self, context_id: int, apply: bool, inv_scale: float | None, norm_type: float | None
     ) -> tuple[bool, Tensor | None]:
-        """Unscale (by ``inv_scale``) and keep the gradients the next step of ``context_id``
-        uses; return whether any is inf/NaN and their norm of order ``norm_type``."""
+        """Unscale and keep the gradients the next step of ``context_id`` uses; return whether
+        any is inf/NaN, and their norm."""
         with self.lock:
             grads = self._gradients(context_id, apply, pop=False)
             found_inf = False
@@ -242,9 +280,9 @@ class LocalOptimizer:
             return found_inf, torch.nn.utils.get_total_norm(present, norm_type)
 
     def state(self) -> tuple[list[dict[str, Any] | None], list[Tensor | None] | None]:
-        """Copies of the optimizer state (one entry per parameter) and of the open window."""
+        """Copies of the state (per parameter) and of the window."""
         with self.lock:
-            by_id = {id(p): s for p, s in self._get("state").items()}
+            by_id = {id(p): s for g in self.groups.values() for p, s in g.get("state").items()}
             states = [
                 {k: _copy(v) for k, v in s.items()} if (s := by_id.get(id(p))) else None
                 for p in self.params
@@ -254,31 +292,40 @@ class LocalOptimizer:
     def load_state(
         self, states: list[dict[str, Any] | None], accum: list[Tensor | None] | None
     ) -> None:
-        """Replace the optimizer state and the accumulation window (``None``: a fresh one)."""
+        """Replace the state and the window (``None``: a fresh one)."""
         with self.lock:
-            # Convert everything first (the strict zips check the lengths): a bad state must leave
-            # this owner as it was.
-            tensors_only = self.mode != "torch"
+            # Converted first, lengths checked: a bad state leaves this owner as it was.
             new = {
-                p: {k: _as_state(v, p, tensors_only) for k, v in s.items()}
-                for p, s in zip(self.params, states, strict=True)
-                if s
+                index: {
+                    p: {k: _as_state(v, p, g.mode != "torch") for k, v in s.items()}
+                    for p, s in zip(
+                        self.params[g.start : g.stop], states[g.start : g.stop], strict=True
+                    )
+                    if s
+                }
+                for index, g in self.groups.items()
             }
             window = [
                 None if a is None else a.detach().to(p.device, p.dtype, copy=True)
-                for p, a in zip(self.params, accum or [None] * len(self.params), strict=True)
+                for p, a in zip(self.params, accum or [None] * len(states), strict=True)
             ]
             self.accum = window if any(a is not None for a in window) else None
             self.staged.clear()
-            if self.mode == "torch":
-                self.optim.state.clear()
-                self.optim.state.update(new)
-            else:
-                self._set("state", new)
+            for index, group in self.groups.items():
+                if group.mode == "torch":
+                    group.optim.state.clear()
+                    group.optim.state.update(new[index])
+                else:
+                    group.set("state", new[index])
 
     def describe(self) -> tuple[str, str, int]:
-        """``(mode, kernel, number of parameters)``."""
-        return self.mode, self.kernel, len(self.params)
+        """``(mode, kernel, number of parameters)``; "+" joins the groups' if they differ."""
+        modes = "+".join(dict.fromkeys(g.mode for g in self.groups.values()))
+        return (
+            modes,
+            "+".join(dict.fromkeys(g.kernel for g in self.groups.values())),
+            len(self.params),
+        )
 
 
 def _copy(value: Any) -> Any:
@@ -294,26 +341,18 @@ def _as_state(value: Any, param: Tensor, tensors_only: bool) -> Any:
     return value.detach().to(device=param.device, dtype=param.dtype, copy=True)
 
 
-# -- module-level functions the caller invokes over RPC (pickled by reference) ----------------
-
-
-def create(spec: Spec, param_rrefs: list[rpc.RRef[Tensor]]) -> tuple[rpc.RRef[LocalOptimizer], int]:
-    """Resolve the RRefs to this owner's tensors, check them and build the local optimizer
-    (RPC target, or called in-process by the caller for its own share); return an RRef to it
-    and its key."""
-    here, params = rpc.get_worker_info().name, [rref.local_value() for rref in param_rrefs]
-    for i, value in enumerate(params):
-        if not isinstance(value, Tensor):
-            raise TypeError(
-                f"params_rref entry {i} on {here} holds a {type(value).__name__}, expected a "
-                "torch.Tensor"
-            )
-    if len({id(p) for p in params}) < len(params):
-        raise ValueError(f"params_rref holds the same tensor twice on {here}; pass each once")
-    local = LocalOptimizer(spec, params)
-    key = next(_keys)
-    _LIVE[key] = local
-    return rpc.RRef(local), key
+def add(
+    key: int | None, spec: Spec, index: int, rrefs: list[rpc.RRef[Tensor]], hparams: dict[str, Any]
+) -> tuple[rpc.RRef[LocalOptimizer] | None, int]:
+    """Add this owner's share of param group ``index`` to its local optimizer ``key`` (``None``:
+    a new one); return an RRef that keeps a new one alive, and the key (RPC target)."""
+    use_process_threads()
+    local, rref = (_LIVE[key], None) if key is not None else (LocalOptimizer(spec), None)
+    local.add(index, rrefs, hparams)
+    if key is None:
+        key, rref = next(_keys), rpc.RRef(local)
+        _LIVE[key] = local
+    return rref, key
 
 
 def call(key: int, method: str, *args: Any) -> Any:

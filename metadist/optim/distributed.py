@@ -1,12 +1,13 @@
-"""The distributed optimizer: parameters stay on their owners, and so does the optimizer state."""
+"""The distributed optimizer (parameters and their state stay on their owners), its gradient
+clipping and its loss scaler (all owners step or all skip)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
@@ -14,18 +15,31 @@ from torch import Tensor
 
 from metadist.autograd import check_context
 from metadist.optim import _local
-from metadist.optim.functional import TUPLE_KEYS
-from metadist.optim.registry import get_functional_optimizer
+from metadist.optim.functional import TUPLE_KEYS, get_functional_optimizer
 from metadist.optim.scripting import torchscript_status
 from metadist.world import get_worker_name, get_worker_names, require_rpc, wait_all
 
-__all__ = ["DistributedOptimizer", "clip_grad_norm_"]
+__all__ = ["DistributedGradScaler", "DistributedOptimizer", "clip_grad_norm_"]
 
+T = TypeVar("T")
 _KERNEL_FLAGS = ("foreach", "fused")
 # rpc.remote returns the C++ PyRRef; rpc.RRef is the typing-friendly Python subclass.
 _RREF_TYPES = (rpc.RRef, rpc.PyRRef)  # type: ignore[attr-defined]
-# The state_dict key of an open accumulation window (absent at a window's boundary).
-_WINDOW = "accumulation"
+_WINDOW = "accumulation"  # the state_dict key of an open accumulation window
+
+
+def is_number(value: Any, kind: type | tuple[type, ...] = (int, float)) -> bool:
+    """Whether ``value`` is an instance of ``kind`` and not a bool."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _check(name: str, value: Any, ok: Any, expected: str, error: type = ValueError) -> None:
+    if not ok:
+        raise error(f"{name} must be {expected}, got {value!r}")
+
+
+def _positive(value: Any) -> bool:
+    return is_number(value) and value > 0 and math.isfinite(value)
 
 
 def clip_grad_norm_(
@@ -35,18 +49,18 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
 ) -> Tensor:
-    """Clip the gradients the next ``optimizer.step(context_id)`` applies by their norm over all
-    owners, as ``torch.nn.utils.clip_grad_norm_`` does in one process (see ``docs/optim.md``).
+    """Clip the gradients ``optimizer.step(context_id)`` applies by their norm over all owners,
+    as ``torch.nn.utils.clip_grad_norm_`` does in one process.
 
     Args:
-        optimizer: The :class:`DistributedOptimizer` whose parameters' gradients to clip.
+        optimizer: The :class:`DistributedOptimizer`.
         context_id: A distributed-autograd context id created in this process.
         max_norm: Largest allowed total norm (``> 0``).
         norm_type: Order of the norm, ``> 0`` or ``float("inf")``.
         error_if_nonfinite: Raise if the total norm is inf or NaN.
 
     Returns:
-        The total norm of the gradients before clipping (0-dim float tensor).
+        The total norm of the gradients before clipping (0-dim tensor).
 
     Raises:
         TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
@@ -54,10 +68,8 @@ def clip_grad_norm_(
         RuntimeError: If ``error_if_nonfinite`` and the total norm is not finite.
     """
     check_optimizer(optimizer)
-    if not is_number(max_norm) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-    if not is_number(norm_type) or not norm_type > 0:
-        raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
+    _check("max_norm", max_norm, is_number(max_norm) and max_norm > 0, "a positive number")
+    _check("norm_type", norm_type, is_number(norm_type) and norm_type > 0, "> 0 or float('inf')")
     results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
     norms = [n.float() for _, n in results if n is not None]
     previous = optimizer._coef.get(context_id, 1.0)
@@ -67,24 +79,23 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients of context {context_id} is "
             f"{float(total)}; set error_if_nonfinite=False to clip anyway"
         )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    optimizer._coef[context_id] = previous * float(coef)
+    optimizer._coef[context_id] = previous * float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Optimize parameters that live on several workers, each owner stepping its own share.
 
-    A drop-in for ``torch.distributed.optim.DistributedOptimizer``: one local optimizer per
-    owner, and ``step(context_id)`` sends one request per owner, which updates the parameters
-    with a gradient in that context (concurrent steps are serialized per owner). Owners run the
-    functional twin of ``optimizer_class`` eagerly, scripted, or as ``"auto"`` picks; a class with
-    no twin runs as itself. One param group, driven by ``torch.optim.lr_scheduler``; ``state``
-    stays empty and ``state_dict()`` gathers the owners'. The guide: ``docs/optim.md``.
+    A drop-in for ``torch.distributed.optim.DistributedOptimizer`` that is a whole
+    ``torch.optim.Optimizer`` (``state`` stays empty). ``step(context_id)`` sends one request per
+    owner, which steps its parameters with a gradient in that context by their group's
+    hyperparameters with the functional twin of ``optimizer_class``, or the class itself. Example:
+    ``docs/optim.md``.
 
     Args:
         optimizer_class: A ``torch.optim.Optimizer`` subclass or a registered functional class.
-        params_rref: RRefs to the parameters (leaf tensors) on their owners; any mix of owners.
+        params_rref: RRefs to parameters (leaf tensors on any workers), or param groups: dicts
+            ``{"params": [RRefs], "lr": ..., ...}`` whose entries override the defaults.
         *args: Positional hyperparameters for ``optimizer_class`` (after ``params``).
         mode: ``"auto"``, ``"eager"``, ``"scripted"``, or ``{worker name or rank: mode}``.
         backward_passes_per_step: Accumulate this many contexts' gradients per update.
@@ -94,31 +105,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Raises:
         RuntimeError: If RPC is not running, or ``mode="scripted"`` where torch cannot script.
-        TypeError: On an argument of the wrong type (a non-RRef in ``params_rref``, ...).
-        ValueError: On a wrong value (empty or duplicated ``params_rref``, unknown owner or
-            ``mode``, hyperparameters ``optimizer_class`` rejects, ...), before any request.
-
-    Example:
-        >>> import torch
-        >>> import torch.distributed.rpc as rpc
-        >>> import metadist
-        >>> from metadist.optim import DistributedOptimizer
-        >>> @metadist.auto_init_rpc()
-        ... def main():
-        ...     w = rpc.RRef(torch.ones(3, requires_grad=True))
-        ...     opt = DistributedOptimizer(torch.optim.SGD, [w], lr=0.5)
-        ...     with metadist.autograd.context() as cid:
-        ...         metadist.autograd.backward(cid, [w.to_here().sum()])
-        ...         opt.step(cid)
-        ...     return w.to_here(), opt.describe()
-        >>> main()
-        (tensor([0.5000, 0.5000, 0.5000], requires_grad=True), {'worker0': ('eager', 'fused', 1)})
+        TypeError: On an argument of the wrong type (a non-RRef parameter, ...).
+        ValueError: On a wrong value (no or duplicated parameters, hyperparameters the class
+            rejects, ...). Both before any request.
     """
 
     def __init__(
         self,
         optimizer_class: type,
-        params_rref: Sequence[rpc.RRef[Tensor]],
+        params_rref: Iterable[rpc.RRef[Tensor]] | Iterable[dict[str, Any]],
         *args: Any,
         mode: str | Mapping[str | int, str] = "auto",
         backward_passes_per_step: int = 1,
@@ -127,115 +122,150 @@ class DistributedOptimizer(torch.optim.Optimizer):
         **kwargs: Any,
     ) -> None:
         require_rpc("DistributedOptimizer")
-        functional_class = get_functional_optimizer(optimizer_class)  # checks it is a class
-        if functional_class is None and not issubclass(optimizer_class, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer_class must be a torch.optim.Optimizer subclass or a registered "
-                f"functional optimizer class, got {optimizer_class!r}"
-            )
-        if isinstance(params_rref, _RREF_TYPES) or not isinstance(params_rref, Sequence):
-            raise TypeError(f"params_rref must be a list of RRefs, got {type(params_rref)!r}")
-        if len(params_rref) == 0:
+        cls, functional = optimizer_class, get_functional_optimizer(optimizer_class)
+        expected = "a torch.optim.Optimizer subclass or a registered functional optimizer class"
+        _check(
+            "optimizer_class",
+            cls,
+            functional or issubclass(cls, torch.optim.Optimizer),
+            expected,
+            TypeError,
+        )
+        kinds = (Tensor, Mapping, *_RREF_TYPES)
+        ok = isinstance(params_rref, Iterable) and not isinstance(params_rref, kinds)
+        _check("params_rref", params_rref, ok, "a list of RRefs or dicts", TypeError)
+        if not (groups := list(params_rref)):
             raise ValueError("params_rref is empty; pass at least one parameter RRef")
-        if not is_number(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(
-                f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
-            )
-        if not isinstance(average_accumulated, bool):
-            raise TypeError(f"average_accumulated must be a bool, got {average_accumulated!r}")
-        if timeout is None:
-            timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
-        elif not (is_number(timeout) and timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(
-                f"timeout must be a positive number of seconds or None, got {timeout!r}"
-            )
-        known, seen = get_worker_names(), set()
-        self._owner_indices: dict[str, list[int]] = {}
-        for i, rref in enumerate(params_rref):
-            if not isinstance(rref, _RREF_TYPES):
-                raise TypeError(f"params_rref[{i}] must be an RRef, got {type(rref).__name__}")
-            if id(rref) in seen:
-                raise ValueError(f"params_rref[{i}] is listed twice; pass each parameter once")
-            seen.add(id(rref))
-            owner = rref.owner().name
-            if owner not in known:
-                raise ValueError(
-                    f"params_rref[{i}] is owned by {owner!r}, which is not a worker of this world "
-                    f"(workers: {', '.join(known)})"
-                )
-            self._owner_indices.setdefault(owner, []).append(i)
-        modes = _resolve_modes(mode, set(self._owner_indices))
-        scripted = functional_class is not None and "scripted" in modes.values()
-        if scripted and not (status := torchscript_status(functional_class))[0]:
+        n = backward_passes_per_step
+        _check("backward_passes_per_step", n, is_number(n, int) and n >= 1, "an int >= 1")
+        ok = isinstance(average_accumulated, bool)
+        _check("average_accumulated", average_accumulated, ok, "a bool", TypeError)
+        ok = timeout is None or _positive(timeout)
+        _check("timeout", timeout, ok, "a positive number of seconds or None")
+        timeout = rpc.get_rpc_timeout() if timeout is None else timeout  # type: ignore[attr-defined]
+        self._modes = _resolve_modes(mode, get_worker_names())
+        scripted = functional and "scripted" in self._modes.values()
+        if scripted and not (status := torchscript_status(functional))[0]:
             raise RuntimeError(
                 f"mode='scripted' needs TorchScript: {status[1]}. Use mode='eager' (or "
                 "'auto'), which steps the same functional optimizer without compiling it"
             )
-        group = _param_group(optimizer_class, functional_class is optimizer_class, args, kwargs)
-
-        self.optimizer_class, self.params_rref = optimizer_class, list(params_rref)
-        self.backward_passes_per_step, self.timeout = backward_passes_per_step, float(timeout)
-        self.average_accumulated = average_accumulated
-        # torch.optim.Optimizer surface (deliberately not calling its __init__: it wants local
-        # tensors). One group; "params" holds the RRefs.
-        self.defaults = dict(group)
-        self.param_groups: list[dict[str, Any]] = [{**group, "params": self.params_rref}]
-        self.state: defaultdict[Any, Any] = defaultdict(dict)
-        self._passes = 0
-        self._coef: dict[int, float] = {}
+        self.optimizer_class, self._functional, self.timeout = cls, functional, float(timeout)
+        self.backward_passes_per_step, self.average_accumulated = n, average_accumulated
+        self._spec = _local.Spec(cls, functional, "", n, average_accumulated, self.timeout)
+        self.params_rref: list[rpc.RRef[Tensor]] = []  # every group's, in order
+        self._owner_indices: dict[str, list[int]] = {}  # owner -> its indices in params_rref
+        self._keys: dict[str, int] = {}  # owner -> its optimizer's key
+        self._rrefs: dict[str, Any] = {}  # keep the owners' optimizers alive
+        self._owner_groups: list[dict[str, Any]] = []  # each group's values, as owners get them
+        self._passes, self._coef = 0, dict[int, float]()
+        self._sent_hparams: list[dict[str, Any]] | None = None
         self._lock = _local.TimedLock(self.timeout, "the optimizer lock")
-        # Owners are built with these hyperparameters; a step sends them again only on change.
-        self._sent_hparams: dict[str, Any] | None = self._hparams()
-        self._me = get_worker_name()
-
+        self._me, self._built = get_worker_name(), False
         # Functional owners auto-pick only kernel flags that are unset (None). A flag the user did
         # not pass is unset whatever the class defaults it to.
-        passed = _passed_names(optimizer_class, args, kwargs) if functional_class else set(group)
-        ctor_kwargs = {
-            k: None if k in _KERNEL_FLAGS and k not in passed else v for k, v in group.items()
-        }
-        window = (backward_passes_per_step, average_accumulated, self.timeout)
-        created = self._fan_out(
-            _local.create,
-            lambda o: (
-                _local.Spec(optimizer_class, functional_class, ctor_kwargs, modes[o], *window),
-                [self.params_rref[i] for i in self._owner_indices[o]],
-            ),
-        )
-        # The RRefs keep the owners' optimizers alive; requests address them by key.
-        self._rrefs = {o: rref for o, (rref, _) in created.items()}
-        self._keys: dict[str, int] = {o: key for o, (_, key) in created.items()}
+        self._passed = _passed_names(cls, args, kwargs) if functional else None
+        self._flat = not isinstance(groups[0], Mapping)  # errors then name params_rref[i]
+        # torch's constructor sets its attributes and hooks up, and calls add_param_group on each
+        # group, which checks it; the groups are sent once all are checked.
+        super().__init__(groups, _param_group(cls, functional is cls, args, kwargs))  # type: ignore[arg-type]
+        for index in range(len(self.param_groups)):
+            self._send(index)
+        self._built = True
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("DistributedOptimizer cannot be pickled; use state_dict() instead")
-
-    def __repr__(self) -> str:
-        hyper = ", ".join(f"{k}={v!r}" for k, v in self.param_groups[0].items() if k != "params")
-        return (
-            f"DistributedOptimizer({self.optimizer_class.__name__}, "
-            f"{len(self.params_rref)} params on {len(self._owner_indices)} owners, {hyper})"
+        raise TypeError(
+            "a DistributedOptimizer cannot be pickled or copied: its state lives in optimizers "
+            "on the owners, reached by RRef; save state_dict() instead"
         )
 
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"{name} of {self.optimizer_class.__name__}{super().__repr__()[len(name) :]}"
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Do nothing: distributed-autograd gradients live in their context, not in ``.grad``.
+        """Do nothing: gradients live in their distributed-autograd context, never in ``.grad``,
+        so no step applies a gradient computed before it (drop a window with :meth:`skip`).
 
         Args:
-            set_to_none: Ignored; kept for ``torch.optim.Optimizer`` compatibility.
+            set_to_none: Ignored, as there is no ``.grad`` to clear.
         """
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: a DistributedOptimizer has exactly one param group.
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group`` does; mid-training, its
+        owners step it from the next ``step`` on.
 
         Args:
-            param_group: Ignored.
+            param_group: ``{"params": [RRefs], **hyperparameters}`` (the others: ``defaults``).
 
         Raises:
-            NotImplementedError: Always.
+            TypeError: If it is not such a dict.
+            ValueError: On a parameter already in a group, hyperparameters the class rejects, or
+                one that differs from ``defaults`` where the functional twin does not take it.
         """
-        raise NotImplementedError(
-            "DistributedOptimizer has one param group; create a second DistributedOptimizer "
-            "for parameters that need different hyperparameters"
+        index = len(self.param_groups)
+        where = "param_group" if self._built else f"params_rref[{index}]"
+        ok = isinstance(param_group, Mapping) and "params" in param_group
+        _check(where, param_group, ok, "a dict with 'params'", TypeError)
+        where = "params_rref" if self._flat and not self._built else f"{where}['params']"
+        rrefs = param_group["params"]
+        rrefs = [rrefs] if isinstance(rrefs, _RREF_TYPES) else rrefs
+        if isinstance(rrefs, (set, Tensor)) or not isinstance(rrefs, Iterable):
+            raise TypeError(f"{where} must be a list of RRefs, got {type(rrefs).__name__}")
+        if not (rrefs := list(rrefs)):
+            raise ValueError(f"{where} is empty; pass at least one parameter RRef")
+        seen, known = {id(r) for r in self.params_rref}, get_worker_names()
+        for i, rref in enumerate(rrefs):
+            if not isinstance(rref, _RREF_TYPES):
+                raise TypeError(f"{where}[{i}] must be an RRef, got {type(rref).__name__}")
+            if id(rref) in seen:
+                raise ValueError(f"{where}[{i}] is listed twice; pass each parameter once")
+            seen.add(id(rref))
+            if (owner := rref.owner().name) not in known:
+                raise ValueError(f"{where}[{i}] is owned by {owner!r}, not a worker: {known}")
+        overrides = {k: v for k, v in param_group.items() if k != "params"}
+        group, cls, twin = {**self.defaults, **overrides}, self.optimizer_class, self._functional
+        if overrides:  # the class's own checks of this group's values
+            _param_group(cls, cls is twin, (), _local.constructor_kwargs(cls, group))
+        for key, value in overrides.items():
+            takes = twin is None or key in inspect.signature(twin).parameters
+            if not takes and key in self.defaults and value != self.defaults[key]:
+                raise ValueError(
+                    f"param group {index} sets {key}={value!r}, but {getattr(twin, '__name__', 0)}"
+                    f" takes no {key!r}: it cannot differ from the default, {self.defaults[key]!r}"
+                )
+        self.param_groups.append({**group, "params": rrefs})
+        unset = [] if self._passed is None else _KERNEL_FLAGS
+        unset = [k for k in unset if k not in overrides and k not in (self._passed or ())]
+        self._owner_groups.append({**group, **dict.fromkeys(unset)})
+        for rref in rrefs:
+            self._owner_indices.setdefault(rref.owner().name, []).append(len(self.params_rref))
+            self.params_rref.append(rref)
+        if self._built:
+            with self._lock:
+                self._send(index)
+
+    def _send(self, index: int) -> None:
+        """Send param group ``index`` to its owners (creating an owner's optimizer)."""
+        shares: dict[str, list[Any]] = {}
+        for rref in self.param_groups[index]["params"]:
+            shares.setdefault(rref.owner().name, []).append(rref)
+        spec, group = self._spec, self._owner_groups[index]
+        replies = self._fan_out(
+            _local.add,
+            lambda o: (
+                self._keys.get(o),
+                dataclasses.replace(spec, mode=self._modes[o]),
+                index,
+                shares[o],
+                group,
+            ),
+            shares,
         )
+        for owner, (rref, key) in replies.items():
+            self._rrefs.setdefault(owner, rref)
+            self._keys[owner] = key
+        self._sent_hparams = None  # every group's values go with the next step
 
     @property
     def next_step_applies(self) -> bool:
@@ -243,10 +273,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._passes + 1 >= self.backward_passes_per_step
 
     def describe(self) -> dict[str, tuple[str, str, int]]:
-        """Return, per owner, the mode and kernel chosen there and how many parameters it holds.
+        """Say what each owner runs.
 
         Returns:
-            ``{worker_name: (mode, kernel, num_params)}``, e.g. ``("eager", "fused", 2)``.
+            ``{worker: (mode, kernel, number of parameters)}``, e.g. ``("eager", "fused", 2)``.
         """
         return self._call_owners("describe")
 
@@ -271,16 +301,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if apply:
                 self._passes = 0
                 self._coef.clear()
-            changed = None if hparams == self._sent_hparams else hparams
+            # Owners get a group's hyperparameters again only when they changed.
+            sent: list[dict[str, Any]] = self._sent_hparams or []
+            changed = {i: h for i, h in enumerate(hparams) if i >= len(sent) or h != sent[i]}
             self._sent_hparams = hparams
         try:
-            self._call_owners("step", context_id, apply, coef, changed)
+            self._call_owners("step", context_id, apply, coef, changed or None)
         except BaseException:
             self._sent_hparams = None  # some owner may have missed them: send on the next step
             raise
 
     def skip(self, context_id: int) -> None:
-        """Drop the gradients of ``context_id`` and of the current accumulation window everywhere
+        """Drop the gradients of ``context_id`` and of the accumulation window on every owner
         (what :class:`DistributedGradScaler` does when an owner found an inf/NaN).
 
         Args:
@@ -293,95 +325,98 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._call_owners("skip")
 
     def state_dict(self) -> dict[str, Any]:
-        """Gather the owners' state into one ``torch.optim``-format state dict (parameter ``i`` is
-        ``params_rref[i]``; mid-window it also holds the window, see ``docs/optim.md``).
+        """Gather the owners' state in ``torch.optim``'s format (parameter ``i`` is
+        ``params_rref[i]``), running the state-dict hooks as ``torch.optim`` does.
 
         Returns:
-            ``{"state": {index: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``
-            (plus ``"accumulation": {"passes": k, "gradients": {index: tensor}}`` mid-window).
+            ``{"state": {i: {name: tensor}}, "param_groups": [{..., "params": [0, ...]}]}``, and
+            mid-window ``"accumulation": {"passes": k, "gradients": {i: tensor}}``.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         with self._lock:
-            passes = self._passes
-            per_owner = self._call_owners("state")
+            passes, per_owner = self._passes, self._call_owners("state")
         state: dict[int, dict[str, Any]] = {}
         window: dict[int, Tensor] = {}
         for owner, indices in self._owner_indices.items():
             states, accum = per_owner[owner]
-            for k, i in enumerate(indices):
-                if states[k] is not None:
-                    state[i] = states[k]
-                if accum is not None and accum[k] is not None:
-                    window[i] = accum[k]
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self.params_rref)))
-        out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": [group]}
+            state.update((i, s) for i, s in zip(indices, states, strict=True) if s is not None)
+            window.update(
+                (i, a)
+                for i, a in zip(indices, accum or [None] * len(indices), strict=True)
+                if a is not None
+            )
+        groups, start = [], 0
+        for group in self.param_groups:
+            groups.append({**group, "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
         if passes:
             out[_WINDOW] = {"passes": passes, "gradients": dict(sorted(window.items()))}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            out = post_hook(self, out) or out
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Send a :meth:`state_dict` back to the owners, with the group's hyperparameters and the
-        accumulation window (a fresh one if none was saved: earlier gradients are dropped).
+        """Send a :meth:`state_dict` (or a ``torch.optim`` one of the same algorithm and groups)
+        back to the owners, with the groups' hyperparameters and the accumulation window (none
+        saved: a fresh one), running the load-state-dict hooks as ``torch.optim`` does.
 
         Args:
-            state_dict: A dict from :meth:`state_dict` (or a ``torch.optim`` state dict of the
-                same algorithm over the same parameters, in ``params_rref`` order).
+            state_dict: The dict to load.
 
         Raises:
-            ValueError: If the dict does not fit this optimizer (checked before any request).
+            ValueError: If it does not fit this optimizer (checked before any request).
         """
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        groups, given = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(groups, Sequence) or not all(isinstance(g, Mapping) for g in groups):
-            raise ValueError(
-                f"state_dict['param_groups'] must be a list of dicts, got {groups!r:.99}"
-            )
-        if not isinstance(given, Mapping):
-            raise ValueError(f"state_dict['state'] must be a dict, got {type(given).__name__}")
-        n = len(self.params_rref)
-        if len(groups) != 1 or len(groups[0].get("params", ())) != n:
-            raise ValueError(
-                f"state_dict must have 1 param group over {n} parameters, got "
-                f"{len(groups)} group(s) with {[len(g.get('params', ())) for g in groups]} params"
-            )
-        order = {pid: i for i, pid in enumerate(groups[0]["params"])}
-        states: dict[int, dict[str, Any]] = {}
+        _check("state_dict", type(state_dict).__name__, isinstance(state_dict, Mapping), "a dict")
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        groups: Any = state_dict.get("param_groups")
+        given: Any = state_dict.get("state")
+        ok = isinstance(groups, Sequence) and all(isinstance(g, Mapping) for g in groups)
+        _check("state_dict['param_groups']", groups, ok, "a list of dicts")
+        _check("state_dict['state']", type(given).__name__, isinstance(given, Mapping), "a dict")
+        sizes = [len(g["params"]) for g in self.param_groups]
+        got = [len(g.get("params", ())) for g in groups]
+        expected = f"{len(sizes)} param group(s) of {sizes} parameters"
+        _check("state_dict", got, got == sizes, expected)
+        order = {pid: i for i, pid in enumerate(p for g in groups for p in g["params"])}
         for key, value in given.items():
-            if key not in order or not isinstance(value, dict):
-                raise ValueError(
-                    f"state_dict['state'][{key!r}] must be a dict of state tensors, got "
-                    f"{type(value).__name__}, for a parameter of its param group (0..{n - 1})"
-                )
-            states[order[key]] = value
+            ok = key in order and isinstance(value, dict)
+            expected = f"a dict of state tensors for a parameter 0..{len(order) - 1}"
+            _check(f"state_dict['state'][{key!r}]", type(value).__name__, ok, expected)
         window = state_dict.get(_WINDOW)
-        passes = window.get("passes") if isinstance(window, Mapping) else None
-        grads = window.get("gradients") if isinstance(window, Mapping) else None
-        if window is not None and (
-            not isinstance(passes, int)
-            or not 0 < passes < self.backward_passes_per_step
-            or not isinstance(grads, Mapping)
-            or not all(k in order and isinstance(g, Tensor) for k, g in grads.items())
-        ):
-            raise ValueError(
-                f"state_dict['{_WINDOW}'] must be {{'passes': k, 'gradients': {{index: tensor}}}}"
-                f" with 0 < k < backward_passes_per_step ({self.backward_passes_per_step}), got "
-                f"{window!r:.200}"
-            )
-        accum = {order[k]: g for k, g in grads.items()} if grads is not None else None
+        w = window if isinstance(window, Mapping) else {} if window is None else {"passes": None}
+        passes: Any = w.get("passes", 0)
+        grads: Any = w.get("gradients", {})
+        ok = (
+            isinstance(passes, int)
+            and isinstance(grads, Mapping)
+            and (window is None or 0 < passes < self.backward_passes_per_step)
+            and all(k in order and isinstance(g, Tensor) for k, g in grads.items())
+        )
+        expected = "{'passes': k, 'gradients': {index: tensor}} with 0 < k < "
+        _check(
+            f"state_dict['{_WINDOW}']",
+            window,
+            ok,
+            f"{expected}backward_passes_per_step ({self.backward_passes_per_step})",
+        )
+        states = {order[k]: v for k, v in given.items()}
+        accum = {order[k]: g for k, g in grads.items()} if window else None
         chunks = {
-            owner: (
-                [states.get(i) for i in indices],
-                None if accum is None else [accum.get(i) for i in indices],
-            )
-            for owner, indices in self._owner_indices.items()
+            owner: ([states.get(i) for i in mine], accum and [accum.get(i) for i in mine])
+            for owner, mine in self._owner_indices.items()
         }
         with self._lock:
             self._call_owners("load_state", per_owner=chunks)
-            self.param_groups[0].update({k: v for k, v in groups[0].items() if k != "params"})
-            self._passes = passes or 0
+            for group, saved in zip(self.param_groups, groups, strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            self._passes, self._sent_hparams = passes, None  # owners get the loaded values
             self._coef.clear()
-            self._sent_hparams = None  # the owners get the loaded hyperparameters on next step
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # The method form, ``opt.clip_grad_norm_(context_id, max_norm, ...)``: the function itself.
     clip_grad_norm_ = clip_grad_norm_
@@ -404,29 +439,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         apply = self.next_step_applies
         return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())
 
-    def _hparams(self) -> dict[str, Any]:
-        """The param group's float hyperparameters, the ones owners follow step by step."""
-        out: dict[str, Any] = {}
-        for key, value in self.param_groups[0].items():
-            if key in TUPLE_KEYS and isinstance(value, tuple):
-                out[key] = tuple(float(v) for v in value)
-            elif key not in ("params", "initial_lr") and (
-                is_number(value) or (isinstance(value, Tensor) and value.numel() == 1)
-            ):
-                out[key] = float(value)
+    def _hparams(self) -> list[dict[str, Any]]:
+        """Each group's float hyperparameters, the ones owners follow step by step."""
+        out: list[dict[str, Any]] = []
+        for group in self.param_groups:
+            out.append({})
+            for key, value in group.items():
+                if key in TUPLE_KEYS and isinstance(value, tuple):
+                    out[-1][key] = tuple(float(v) for v in value)
+                elif key not in ("params", "initial_lr") and (
+                    is_number(value) or (isinstance(value, Tensor) and value.numel() == 1)
+                ):
+                    out[-1][key] = float(value)
         return out
 
-    def _fan_out(self, fn: Callable[..., Any], args: Callable[[str], tuple[Any, ...]]) -> Any:
-        """``fn(*args(owner))`` for every owner: the others by RPC, concurrently with this
-        process's own share, run inline. Raises the first error once every owner has replied."""
+    def _fan_out(self, fn: Callable[..., Any], args: Callable[[str], Any], owners: Any) -> Any:
+        """``fn(*args(owner))`` for each of ``owners``: by RPC, concurrently with this process's
+        own share, run inline. Raises the first error once every owner has replied."""
         futures = {
-            owner: rpc.rpc_async(owner, fn, args=args(owner), timeout=self.timeout)
-            for owner in self._owner_indices
-            if owner != self._me
+            o: rpc.rpc_async(o, fn, args=args(o), timeout=self.timeout)
+            for o in owners
+            if o != self._me
         }
         results: dict[str, Any] = {}
         error: BaseException | None = None
-        if self._me in self._owner_indices:
+        if self._me in owners:
             try:
                 results[self._me] = fn(*args(self._me))
             except BaseException as exc:  # still collect the owners' replies
@@ -448,35 +485,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> dict[str, Any]:
         """Run ``method`` on every owner's local optimizer (see :meth:`_fan_out`)."""
         return self._fan_out(
-            _local.call, lambda o: (self._keys[o], method, *(per_owner[o] if per_owner else args))
+            _local.call,
+            lambda o: (self._keys[o], method, *(per_owner[o] if per_owner else args)),
+            list(self._keys),
         )
 
 
 def check_optimizer(optimizer: Any) -> None:
     """Raise ``TypeError`` unless ``optimizer`` is a :class:`DistributedOptimizer`."""
-    if not isinstance(optimizer, DistributedOptimizer):
-        raise TypeError(
-            f"optimizer must be a metadist DistributedOptimizer, got {type(optimizer).__name__}"
-        )
+    ok = isinstance(optimizer, DistributedOptimizer)
+    expected = "a metadist DistributedOptimizer"
+    _check("optimizer", type(optimizer).__name__, ok, expected, TypeError)
 
 
-def is_number(value: Any, kind: type | tuple[type, ...] = (int, float)) -> bool:
-    """Whether ``value`` is an instance of ``kind`` and not a bool (shared with grad_scaler)."""
-    # A bool is an int to Python, never a count or a number of seconds here.
-    return isinstance(value, kind) and not isinstance(value, bool)
-
-
-def _resolve_modes(mode: str | Mapping[str | int, str], owners: set[str]) -> dict[str, str]:
+def _resolve_modes(mode: str | Mapping[str | int, str], workers: Sequence[str]) -> dict[str, str]:
     if isinstance(mode, str):
-        if mode not in _local.MODES:
-            raise ValueError(f"mode must be one of {_local.MODES} or a mapping, got {mode!r}")
-        return dict.fromkeys(owners, mode)
-    if not isinstance(mode, Mapping):
-        raise ValueError(f"mode must be a str or a mapping worker -> mode, got {mode!r}")
-    out = dict.fromkeys(owners, "auto")
+        _check("mode", mode, mode in _local.MODES, f"one of {_local.MODES} or a mapping")
+        return dict.fromkeys(workers, mode)
+    _check("mode", mode, isinstance(mode, Mapping), "a str or a mapping worker -> mode")
+    out = dict.fromkeys(workers, "auto")
     for worker, value in mode.items():
-        if value not in _local.MODES:
-            raise ValueError(f"mode[{worker!r}] must be one of {_local.MODES}, got {value!r}")
+        _check(f"mode[{worker!r}]", value, value in _local.MODES, f"one of {_local.MODES}")
         try:
             out[get_worker_name(worker)] = value
         except (TypeError, ValueError) as exc:
@@ -487,45 +516,31 @@ def _resolve_modes(mode: str | Mapping[str | int, str], owners: set[str]) -> dic
 def _param_group(
     cls: type, functional: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
-    """Check the hyperparameters by building ``cls`` (over a probe tensor, or over no
-    parameters for a functional class); return its param group without ``params``."""
-
-    def build(params: list[Tensor], *a: Any, **kw: Any) -> Any:
-        try:
-            return cls(params, *a, **kw)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise ValueError(
-                f"{cls.__name__} rejected the hyperparameters args={args!r} kwargs={kwargs!r}: "
-                f"{exc}"
-            ) from exc
-
-    if functional:
-        signature = inspect.signature(cls)
-        try:
-            bound = signature.bind([], *args, **kwargs)
-        except TypeError as exc:
-            raise ValueError(f"{cls.__name__}{signature}: {exc}") from exc
-        bound.apply_defaults()
-        group = {k: v for k, v in bound.arguments.items() if k != "params"}
-    else:
-        probe = build([torch.zeros(1, requires_grad=True)], *args, **kwargs)
-        groups = getattr(probe, "param_groups", None)
-        if not groups:
-            raise ValueError(f"{cls.__name__} has no param_groups; is it an optimizer?")
-        group = {k: v for k, v in groups[0].items() if k != "params"}
+    """Check the hyperparameters by building ``cls`` (over a probe tensor; a functional class
+    over none); return its param group without ``params``."""
+    try:
+        if functional:
+            bound = inspect.signature(cls).bind([], *args, **kwargs)
+            bound.apply_defaults()
+            group = {k: v for k, v in bound.arguments.items() if k != "params"}
+        else:
+            probe = cls([torch.zeros(1, requires_grad=True)], *args, **kwargs)
+            group = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{cls.__name__} rejected args={args!r} kwargs={kwargs!r}: {exc}") from exc
     for flag in ("capturable", "differentiable"):
-        if group.get(flag):
-            raise ValueError(
-                f"{flag}={group[flag]!r} is not supported by DistributedOptimizer "
-                "(owners step outside autograd and graph capture)"
-            )
+        why = "(owners step outside autograd and graph capture)"
+        _check(flag, group.get(flag), not group.get(flag), f"False for DistributedOptimizer {why}")
     for flag in _KERNEL_FLAGS:
-        if group.get(flag) is not None and not isinstance(group[flag], bool):
-            raise TypeError(f"{flag} must be True, False or None (unset), got {group[flag]!r}")
+        ok = group.get(flag) is None or isinstance(group[flag], bool)
+        _check(flag, group.get(flag), ok, "True, False or None (unset)", TypeError)
     if group.get("foreach") and group.get("fused"):
         raise ValueError("fused=True and foreach=True cannot be used together; pick one")
     if functional:
-        build([], **group)
+        try:
+            cls([], **group)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{cls.__name__} rejected {group!r}: {exc}") from exc
     return group
 
 
@@ -537,3 +552,188 @@ def _passed_names(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
         return set(kwargs)
     # Keywords land under **kwargs' own name when the class takes **kwargs: count them too.
     return set(bound.arguments) | set(kwargs)
+
+
+# state_dict key (torch.amp.GradScaler's) -> attribute and type.
+_SCALER_STATE: dict[str, tuple[str, type]] = {
+    "scale": ("_scale", float),
+    "growth_factor": ("growth_factor", float),
+    "backoff_factor": ("backoff_factor", float),
+    "growth_interval": ("growth_interval", int),
+    "_growth_tracker": ("_growth_tracker", int),
+}
+
+
+class DistributedGradScaler:
+    """``torch.amp.GradScaler`` for a :class:`DistributedOptimizer`: ``scale(loss)``, backward,
+    ``unscale_`` and :func:`clip_grad_norm_` if clipping, ``step(opt, cid)``, ``update()`` (after
+    the applying pass of a window). A complete run: ``docs/optim.md``.
+
+    Args:
+        init_scale: Initial scale factor.
+        growth_factor: Factor the scale grows by after ``growth_interval`` clean steps.
+        backoff_factor: Factor the scale shrinks by after a step with inf/NaN.
+        growth_interval: Clean steps between growths.
+        enabled: If ``False``, every method is a pass-through (``step`` just steps).
+
+    Raises:
+        ValueError: On a non-positive ``init_scale``, ``growth_factor <= 1``,
+            ``backoff_factor`` outside ``(0, 1)`` or ``growth_interval < 1``.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        grow, back, every = growth_factor, backoff_factor, growth_interval
+        _check("init_scale", init_scale, _positive(init_scale), "a positive finite number")
+        _check("growth_factor", grow, is_number(grow) and grow > 1.0, "a number > 1")
+        _check("backoff_factor", back, is_number(back) and 0 < back < 1.0, "a number in (0, 1)")
+        _check("growth_interval", every, is_number(every, int) and every >= 1, "an int >= 1")
+        self._scale, self._enabled = float(init_scale), enabled
+        self.growth_interval = growth_interval
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self._growth_tracker, self._found_inf_since_update = 0, False
+        self._unscaled: dict[tuple[int, int], bool] = {}
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is on.
+
+        Returns:
+            The ``enabled`` flag.
+        """
+        return self._enabled
+
+    def get_scale(self) -> float:
+        """The current scale factor.
+
+        Returns:
+            The scale factor (``1.0`` when disabled).
+        """
+        return self._scale if self._enabled else 1.0
+
+    def scale(self, outputs: T) -> T:
+        """Multiply a loss (or a list/tuple of them) by the scale factor.
+
+        Args:
+            outputs: A tensor or a list/tuple of tensors.
+
+        Returns:
+            The scaled tensor(s), same structure.
+
+        Raises:
+            TypeError: If ``outputs`` holds something other than tensors.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, Tensor):
+            return outputs * torch.tensor(self._scale, dtype=torch.float32, device=outputs.device)  # type: ignore[return-value]
+        if isinstance(outputs, list | tuple):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {outputs!r}")
+
+    def unscale_(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
+        """Unscale on every owner the gradients ``optimizer.step(context_id)`` applies (before
+        :func:`clip_grad_norm_`; once per step).
+
+        Args:
+            optimizer: The distributed optimizer.
+            context_id: A distributed-autograd context id created in this process.
+
+        Returns:
+            Whether any owner found an inf/NaN.
+
+        Raises:
+            TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+            RuntimeError: If called twice for the same step.
+        """
+        check_optimizer(optimizer)
+        key = (id(optimizer), context_id)
+        if key in self._unscaled:
+            raise RuntimeError(
+                f"unscale_ was already called for context {context_id} since the last step"
+            )
+        inv_scale = 1.0 / self._scale
+        found = self._enabled and any(
+            f for f, _ in optimizer.stage_gradients(context_id, inv_scale)
+        )
+        self._unscaled[key] = found
+        return found
+
+    def step(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
+        """Step ``optimizer`` unless an owner found an inf/NaN, then all skip (a pass that only
+        accumulates just steps: the gradients that get applied are checked).
+
+        Args:
+            optimizer: The distributed optimizer.
+            context_id: A distributed-autograd context id created in this process.
+
+        Returns:
+            Whether the owners updated their parameters.
+
+        Raises:
+            TypeError: If ``optimizer`` is not a :class:`DistributedOptimizer`.
+        """
+        check_optimizer(optimizer)
+        key = (id(optimizer), context_id)
+        if not self._enabled or (not optimizer.next_step_applies and key not in self._unscaled):
+            self._unscaled.pop(key, None)
+            optimizer.step(context_id)
+            return not self._enabled
+        if key not in self._unscaled:
+            self.unscale_(optimizer, context_id)
+        if self._unscaled.pop(key):
+            self._found_inf_since_update = True
+            optimizer.skip(context_id)
+            return False
+        optimizer.step(context_id)
+        return True
+
+    def update(self, new_scale: float | None = None) -> None:
+        """Back the scale off after an inf/NaN, or grow it after ``growth_interval`` clean steps.
+
+        Args:
+            new_scale: Set this scale instead (resets the growth tracker).
+
+        Raises:
+            ValueError: If ``new_scale`` is not a positive finite number.
+        """
+        if not self._enabled:
+            return
+        self._unscaled.clear()
+        if new_scale is not None:
+            _check("new_scale", new_scale, _positive(new_scale), "a positive finite number")
+            self._scale, self._growth_tracker = float(new_scale), 0
+        elif self._found_inf_since_update:
+            self._scale, self._growth_tracker = self._scale * self.backoff_factor, 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker >= self.growth_interval:
+                self._scale, self._growth_tracker = self._scale * self.growth_factor, 0
+        self._found_inf_since_update = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state.
+
+        Returns:
+            Its values under ``torch.amp.GradScaler``'s keys.
+        """
+        return {key: getattr(self, attr) for key, (attr, _) in _SCALER_STATE.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`.
+
+        Args:
+            state_dict: A dict from :meth:`state_dict`.
+
+        Raises:
+            ValueError: If a key is missing.
+        """
+        if missing := set(_SCALER_STATE) - set(state_dict):
+            raise ValueError(f"state_dict is missing {sorted(missing)}")
+        for key, (attr, kind) in _SCALER_STATE.items():
+            setattr(self, attr, kind(state_dict[key]))

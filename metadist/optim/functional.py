@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
@@ -39,20 +40,10 @@ from torch.optim.sgd import sgd
 
 from metadist.optim.qhm import QHM, qhm
 
-__all__ = [
-    "FunctionalAdadelta",
-    "FunctionalAdagrad",
-    "FunctionalAdam",
-    "FunctionalAdamW",
-    "FunctionalAdamax",
-    "FunctionalOptimizer",
-    "FunctionalQHM",
-    "FunctionalRMSprop",
-    "FunctionalRprop",
-    "FunctionalSGD",
-    "TUPLE_KEYS",
-    "flat_hparams",
-]
+__all__ = ["FunctionalAdadelta", "FunctionalAdagrad", "FunctionalAdam", "FunctionalAdamW"]
+__all__ += ["FunctionalAdamax", "FunctionalOptimizer", "FunctionalQHM", "FunctionalRMSprop"]
+__all__ += ["FunctionalRprop", "FunctionalSGD", "TUPLE_KEYS", "flat_hparams"]
+__all__ += ["get_functional_optimizer", "register_functional_optimizer"]
 
 # Tuple-valued torch hyperparameters and the float names functional optimizers keep them under.
 TUPLE_KEYS = {
@@ -345,34 +336,6 @@ class FunctionalOptimizer:
             keep(kept, bufs, state, lazy_name)
 
 
-# Each argument described once for every class that takes it (the Args of their docstrings).
-_ARGS = {
-    "params": "Parameters to update in place.",
-    "lr": "Learning rate (Adadelta: scales the delta; Rprop: the initial step size).",
-    "momentum": "Momentum factor (QHM: in ``[0, 1)``).",
-    "dampening": "Dampening for momentum.",
-    "weight_decay": "Weight decay: L2, or decoupled (AdamW, ``decoupled_weight_decay``, QHM's "
-    '``"direct"``).',
-    "nesterov": "Nesterov momentum.",
-    "betas": "Coefficients of the running averages (Adamax: of the gradient and its inf-norm).",
-    "eps": "Term added to the denominator.",
-    "amsgrad": "Use the AMSGrad variant.",
-    "lr_decay": "Learning-rate decay.",
-    "initial_accumulator_value": "Starting value of the sum of squares.",
-    "alpha": "Smoothing constant.",
-    "centered": "Normalize by an estimate of the gradient's variance.",
-    "rho": "Coefficient of the running averages.",
-    "etas": "Multiplicative decrease and increase factors.",
-    "step_sizes": "Minimal and maximal step sizes.",
-    "nu": "Immediate discount factor.",
-    "weight_decay_type": '``"grad"`` or ``"direct"`` (see :func:`metadist.optim.qhm`).',
-    "maximize": "Ascend instead of descend.",
-    "foreach": "Multi-tensor kernels (eager only).",
-    "fused": "Fused kernels (eager only).",
-    "decoupled_weight_decay": "AdamW-style weight decay.",
-}
-
-
 def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
     """A functional optimizer class for ``torch_class``: a dataclass of ``params`` and the
     hyperparameters of its constructor (same names, defaults, keyword-only ones; without
@@ -387,8 +350,8 @@ def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
     torch_name = "torch" if torch_class.__module__.startswith("torch.") else "metadist"
     torch_name += f".optim.{name}"
     doc = [f"{name} on explicit gradients; matches ``{torch_name}``, whose hyperparameters it"]
-    doc += ["takes (same names and defaults).", "", "Args:", "    params: " + _ARGS["params"]]
-    doc += [f"    {f[0]}: {_ARGS.get(f[0], f'As in ``{torch_name}``.')}" for f in fields]
+    doc += ["takes (same names and defaults).", "", "Args:", "    params: Parameters to update."]
+    doc += [f"    {f[0]}: As in ``{torch_name}``." for f in fields]
     namespace = {"kind": kind, "torch_class": torch_class, "__doc__": "\n".join(doc)}
     cls = dataclasses.make_dataclass(
         "Functional" + name,
@@ -419,3 +382,74 @@ FunctionalAdamax = _functional(torch.optim.Adamax, "adamax")
 FunctionalAdadelta = _functional(torch.optim.Adadelta, "adadelta")
 FunctionalRprop = _functional(torch.optim.Rprop, "rprop", fills={"step_size": "lr"})
 FunctionalQHM = _functional(QHM, "qhm")
+
+
+# -- which functional optimizer stands in for which torch.optim class --------------------------
+
+_lock = threading.Lock()
+# Each of metadist's functional classes names the class it stands in for.
+_REGISTRY: dict[type, type] = {c.torch_class: c for c in FunctionalOptimizer.__subclasses__()}
+
+
+def _check_class(optimizer_class: Any) -> None:
+    if not isinstance(optimizer_class, type):
+        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+
+
+def register_functional_optimizer(
+    optimizer_class: type, functional_class: type | None = None
+) -> Any:
+    """Register ``functional_class`` as the functional twin that ``DistributedOptimizer`` steps
+    owners with for ``optimizer_class`` (latest wins; per process: register in a module every
+    worker imports). What a twin provides: ``docs/optim.md``, the QHM section.
+
+    Args:
+        optimizer_class: The class users pass to ``DistributedOptimizer``.
+        functional_class: Its functional twin. Leave out to use this as a class decorator.
+
+    Returns:
+        ``functional_class`` (or a decorator that registers and returns its argument).
+
+    Raises:
+        TypeError: If either is not a class, or ``functional_class`` has no ``step`` method or
+            is a ``torch.optim.Optimizer`` (which reads ``.grad``).
+    """
+    _check_class(optimizer_class)
+
+    def register(cls: Any) -> Any:
+        if not isinstance(cls, type):
+            raise TypeError(f"functional_class must be a class, got {cls!r}")
+        # Caught here, not on the owners at the first step, where the error would be obscure.
+        if issubclass(cls, torch.optim.Optimizer):
+            raise TypeError(
+                f"functional_class must be a functional optimizer class (step(gradients), no "
+                f".grad), got the torch.optim.Optimizer {cls.__name__}; leave "
+                f"{optimizer_class.__name__} unregistered to run it as itself"
+            )
+        if not callable(getattr(cls, "step", None)):
+            raise TypeError(
+                f"functional_class must define step(gradients); {cls.__name__} does not"
+            )
+        with _lock:
+            _REGISTRY[optimizer_class] = cls
+        return cls
+
+    return register if functional_class is None else register(functional_class)
+
+
+def get_functional_optimizer(optimizer_class: type) -> type | None:
+    """Find the functional twin registered for ``optimizer_class``.
+
+    Args:
+        optimizer_class: A ``torch.optim.Optimizer`` subclass or a functional class.
+
+    Returns:
+        The registered twin, ``optimizer_class`` itself if it is one, or ``None``.
+
+    Raises:
+        TypeError: If ``optimizer_class`` is not a class.
+    """
+    _check_class(optimizer_class)
+    with _lock:
+        found = _REGISTRY.get(optimizer_class)
+        return optimizer_class if found is None and optimizer_class in _REGISTRY.values() else found

@@ -1,16 +1,12 @@
 # qhm() is compiled by TorchScript (no `not in {...}`); signatures mirror qhoptim positionally.
 # ruff: noqa: PLR1714, PLR0917
-"""Quasi-hyperbolic momentum (QHM): the update rule and a ``torch.optim.Optimizer`` for it.
-
-QHM (Ma & Yarats, 2019) averages a plain SGD step and a momentum step::
+"""Quasi-hyperbolic momentum (QHM, Ma & Yarats 2019): the rule of facebookresearch/qhoptim,
+averaging a plain SGD step and a momentum step, and a ``torch.optim.Optimizer`` for it::
 
     g   = grad (+ weight_decay * p when weight_decay_type == "grad")
     p   = p * (1 - lr * weight_decay)             when weight_decay_type == "direct"
     buf = momentum * buf + (1 - momentum) * g     (dampened buffer, kept across steps)
     p   = p - lr * (nu * buf + (1 - nu) * g)
-
-This is the rule of the reference implementation (facebookresearch/qhoptim), without the PyTorch
-recipe's bugs (``docs/optim.md``); the gradient is never modified in place.
 """
 
 from __future__ import annotations
@@ -40,13 +36,13 @@ def qhm(
 
     Args:
         params: Parameters to update in place.
-        grads: Their gradients (read only; never modified).
-        momentum_buffers: Their dampened momentum buffers, updated in place. Start them at zero.
+        grads: Their gradients (never modified).
+        momentum_buffers: Their momentum buffers (start at zero), updated in place.
         lr: Learning rate.
-        momentum: Momentum factor ``beta`` in ``[0, 1)``.
-        nu: Immediate discount factor: ``1`` is plain (dampened) momentum, ``0`` is plain SGD.
+        momentum: Momentum factor in ``[0, 1)``.
+        nu: Immediate discount factor: ``1`` is dampened momentum, ``0`` plain SGD.
         weight_decay: Weight-decay factor.
-        weight_decay_type: ``"grad"`` or ``"direct"`` (see the update rule above).
+        weight_decay_type: ``"grad"`` or ``"direct"`` (see the rule above).
         maximize: Ascend instead of descend.
         foreach: Use torch's multi-tensor kernels (not under TorchScript).
 
@@ -60,8 +56,7 @@ def qhm(
     if len(params) == 0:
         return
     if foreach and not torch.jit.is_scripting():  # type: ignore[attr-defined]
-        # torch._foreach_* are the multi-tensor kernels torch.optim itself uses; there is no
-        # public alias for them.
+        # torch.optim's own multi-tensor kernels (no public alias).
         gs = torch._foreach_neg(grads) if maximize else grads
         if weight_decay != 0.0:
             if weight_decay_type == "grad":
@@ -90,10 +85,8 @@ def qhm(
 
 
 class QHM(torch.optim.Optimizer):
-    """Quasi-hyperbolic momentum as a regular ``torch.optim.Optimizer``.
-
-    Registered with :class:`metadist.optim.FunctionalQHM`, so
-    ``DistributedOptimizer(QHM, rrefs, lr=..., momentum=..., nu=...)`` steps it on the owners.
+    """Quasi-hyperbolic momentum as a ``torch.optim.Optimizer`` (its functional twin:
+    :class:`metadist.optim.FunctionalQHM`).
 
     Args:
         params: Parameters or parameter groups.
@@ -134,14 +127,13 @@ class QHM(torch.optim.Optimizer):
             raise ValueError(
                 f"weight_decay_type must be 'grad' or 'direct', got {weight_decay_type!r}"
             )
-        defaults: dict[str, Any] = {"lr": lr, "momentum": momentum, "nu": nu}
-        defaults.update(weight_decay=weight_decay, weight_decay_type=weight_decay_type)
-        defaults.update(maximize=maximize, foreach=foreach)
-        super().__init__(params, defaults)
+        names = ("lr", "momentum", "nu", "weight_decay", "weight_decay_type", "maximize", "foreach")
+        values = (lr, momentum, nu, weight_decay, weight_decay_type, maximize, foreach)
+        super().__init__(params, dict(zip(names, values, strict=True)))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one QHM step on every parameter that has a ``.grad``.
+        """Step every parameter that has a ``.grad``.
 
         Args:
             closure: Optional closure that re-evaluates the model and returns the loss.
@@ -150,7 +142,7 @@ class QHM(torch.optim.Optimizer):
             The closure's loss, or ``None``.
 
         Raises:
-            RuntimeError: A parameter has a sparse gradient.
+            RuntimeError: If a gradient is sparse.
         """
         loss = None
         if closure is not None:
@@ -163,16 +155,8 @@ class QHM(torch.optim.Optimizer):
             for p in params:
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-            qhm(
-                params,
-                [p.grad for p in params],
-                [self.state[p]["momentum_buffer"] for p in params],
-                lr=float(group["lr"]),
-                momentum=float(group["momentum"]),
-                nu=float(group["nu"]),
-                weight_decay=float(group["weight_decay"]),
-                weight_decay_type=str(group["weight_decay_type"]),
-                maximize=bool(group["maximize"]),
-                foreach=bool(group["foreach"]),
-            )
+            lr, mom, nu, wd = (float(group[k]) for k in ("lr", "momentum", "nu", "weight_decay"))
+            flags = str(group["weight_decay_type"]), bool(group["maximize"]), bool(group["foreach"])
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            qhm(params, [p.grad for p in params], bufs, lr, mom, nu, wd, *flags)
         return loss

@@ -1,10 +1,5 @@
-"""Compile a functional optimizer instance with TorchScript, where torch can.
-
-Held by a scripted ``nn.Module``, the optimizer's ``step`` runs in the TorchScript interpreter,
-without the GIL. torch deprecates TorchScript (since 2.10), and its own kernels stop compiling one
-by one (in torch 2.14 only SGD's and Rprop's still do): :func:`torchscript_status` says what
-compiles here, and ``mode="auto"`` steps eagerly where it does not (``docs/optim.md``).
-"""
+"""Compile a functional optimizer instance with TorchScript (its ``step`` then runs without the
+GIL), where this torch can: :func:`torchscript_status` says (``docs/optim.md``)."""
 
 from __future__ import annotations
 
@@ -179,7 +174,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         """Step the held optimizer.
 
         Args:
-            gradients: One gradient per parameter, in parameter order; ``None`` skips it.
+            gradients: One per parameter, in order; ``None`` skips it.
         """
         if hasattr(self, "run"):
             self.run(self.params, gradients, self.state, self.defaults, self.flags)
@@ -188,10 +183,10 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
 
     @torch.jit.export
     def get_state(self) -> dict[Tensor, dict[str, Tensor]]:
-        """Return the held optimizer's state (the live tensors).
+        """Return the held optimizer's state.
 
         Returns:
-            ``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it.
+            ``{parameter: {name: tensor}}`` (the live tensors).
         """
         return self.state if hasattr(self, "run") else self.optim.state
 
@@ -221,7 +216,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         """Replace the held optimizer's float hyperparameters.
 
         Args:
-            defaults: ``{name: value}``, e.g. with a new ``lr`` from a scheduler.
+            defaults: ``{name: value}`` (a scheduler's new ``lr``, ...).
         """
         if hasattr(self, "run"):
             self.defaults = defaults
