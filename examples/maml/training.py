@@ -10,12 +10,15 @@ atomically and hold everything a bit-exact continuation needs, so that a job res
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import io
+import json
 import os
 import random
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,16 +40,22 @@ __all__ = [
     "load_checkpoint",
     "meta_train",
     "plot_learning_curve",
+    "resume_point",
     "save_checkpoint",
     "training_summary",
+    "write_summary",
 ]
 
 # Options that do not change what is computed: a run resumed with other values of these
 # continues the same training. Any other difference means --out holds a different run.
 BOOKKEEPING = {
     "steps", "out", "resume", "save_every", "keep", "no_eval", "eval_tasks", "threads", "plain",
-    "test_inner_steps",
+    "test_inner_steps", "workers", "compare_plain",
 }  # fmt: skip
+# Keys of summary.json that describe how fast the training ran: a run that trains nothing (its
+# checkpoint is already at --steps) keeps those of the run that trained rather than writing none.
+TIMING_KEYS = ("workers", "mode", "trained_steps", "seconds", "ms_per_step", "ms_per_step_p10_p90",
+               "versus_plain")  # fmt: skip
 NUMBERED = re.compile(r"checkpoint-(\d+)\.pt")
 WARMUP_STEPS = 10  # left out of the per-step median: first calls build caches and pools
 
@@ -73,6 +82,7 @@ def add_training_args(
     save_every: int,
     out: str,
     hidden_help: str,
+    compare_plain: int,
 ) -> None:
     """Add the options every MAML example shares, with that example's defaults."""
     p = parser
@@ -109,6 +119,21 @@ def add_training_args(
         help="run the same meta-step in this one process with plain torch, no metadist "
         "(the baseline for the time per step)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="start this many local workers, as `torchrun --standalone --nproc_per_node=N` "
+        "does, after checking --resume here (0: run in this process, or as the worker a "
+        "launcher started)",
+    )
+    p.add_argument(
+        "--compare-plain",
+        type=int,
+        default=compare_plain,
+        help="every N-th step, also time the same step (same batch) in plain torch in this one "
+        "process on all cores, on a copy of the model, and print both medians (0: never)",
+    )
 
 
 def configure_threads(threads: int = 0) -> int:
@@ -126,16 +151,56 @@ def configure_threads(threads: int = 0) -> int:
 
 
 def launch(train: Callable[[argparse.Namespace], object], args: argparse.Namespace) -> None:
-    """Run ``train(args)``: on rank 0 of an RPC world (every torchrun worker calls this; the
-    others serve remote calls until rank 0 is done), or here alone with ``--plain``."""
+    """Run ``train(args)``: on rank 0 of an RPC world (every worker calls this; the others serve
+    remote calls until rank 0 is done), here alone with ``--plain``, or, with ``--workers N``
+    outside a launcher, start N local workers that do so.
+
+    Every process checks ``--resume`` before any worker or RPC starts, so that a refused resume
+    ends the job at once with one message and exit status 2.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    launched = "WORLD_SIZE" in os.environ  # by torchrun (or by --workers, below)
+    try:
+        resume_point(args)
+    except ResumeRefusedError as refusal:
+        if rank != 0:
+            # Let rank 0 print the message before the launcher stops the job on our exit.
+            time.sleep(1.0)
+            raise SystemExit(2) from None
+        print(f"error: {refusal}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     if args.plain:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.workers > 1:
             raise SystemExit("--plain runs in one process: start it with python, not torchrun")
         configure_threads(args.threads)
         train(args)
         return
+    if args.workers > 1 and not launched:
+        _start_workers(args.workers)
+        return
     init = functools.partial(configure_threads, args.threads)
     metadist.auto_init_rpc(init)(metadist.rank_zero_only(train))(args)
+
+
+def _start_workers(n: int) -> None:
+    """Run this script on ``n`` local workers exactly as ``torchrun --standalone`` would; a
+    worker that fails ends the job with its exit status, its own message and one line from here
+    instead of the launcher's ChildFailedError traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    options = parse_args(["--standalone", f"--nproc-per-node={n}", sys.argv[0], *sys.argv[1:]])
+    try:
+        run(options)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        print(
+            f"{Path(sys.argv[0]).name}: worker {rank} exited with status {failure.exitcode} "
+            "(its output is above)",
+            file=sys.stderr,
+        )
+        raise SystemExit(code) from None
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -237,6 +302,26 @@ def latest_checkpoint(out: Path) -> Path | None:
     return None
 
 
+class ResumeRefusedError(Exception):
+    """``--resume auto`` found a checkpoint of a run with other options."""
+
+
+def resume_point(args: argparse.Namespace) -> Path | None:
+    """The checkpoint this run continues from (None: it starts anew).
+
+    Raises:
+        ResumeRefusedError: If ``--resume auto`` finds a checkpoint of a run with other options.
+    """
+    if args.resume == "none":
+        return None
+    if args.resume != "auto":
+        return Path(args.resume)
+    path = latest_checkpoint(args.out)
+    if path is not None:
+        _check_same_run(path, args)
+    return path
+
+
 def _check_same_run(path: Path, args: argparse.Namespace) -> None:
     saved = _read(path)["args"]
     differ = {
@@ -246,7 +331,7 @@ def _check_same_run(path: Path, args: argparse.Namespace) -> None:
     }
     if differ:
         details = ", ".join(f"--{k.replace('_', '-')} {a} vs {b}" for k, (a, b) in differ.items())
-        raise SystemExit(
+        raise ResumeRefusedError(
             f"{path} comes from a run with other options ({details}); "
             "pass --resume none to start over, or another --out"
         )
@@ -265,11 +350,14 @@ def meta_train(
     title: str,
     log_y: Sequence[str] = (),
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Meta-train with Adam; return the model and a summary (printed, and saved by the caller).
+    """Meta-train with Adam; return the model and a summary (printed; the caller adds its
+    evaluation and saves it with :func:`write_summary`).
 
     Each step is the example's ``meta_step(model, optimizer, sample(rng), args)``; the values it
     returns are recorded under the matching names of ``series``. Around it: seeding, resuming,
-    checkpoints, the progress bar, timing and the learning curve.
+    checkpoints, the progress bar, timing (and with ``--compare-plain``, the same steps' time in
+    plain torch) and the learning curve. A run whose checkpoint is already at ``--steps`` trains
+    and writes nothing, and its summary keeps the timing of the run that trained.
     """
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -277,11 +365,7 @@ def meta_train(
     model = build_model()
     meta_opt = torch.optim.Adam(model.parameters(), lr=args.meta_lr)
     start, history = 0, {name: [] for name in series}
-    resume = None if args.resume == "none" else args.resume
-    if resume == "auto":
-        resume = latest_checkpoint(args.out)
-        if resume is not None:
-            _check_same_run(resume, args)
+    resume = resume_point(args)
     if resume is not None:
         start, history = load_checkpoint(resume, model=model, optimizer=meta_opt, rng=rng)
         print(f"resuming from {resume} at step {start}")
@@ -298,13 +382,29 @@ def meta_train(
 
     workers = 1 if args.plain else metadist.get_world_size()
     mode = "plain torch" if args.plain else f"metadist x{workers}"
+    if start >= args.steps:
+        print(
+            f"nothing to train: {resume} is already at step {start} (--steps {args.steps}); "
+            "wrote no checkpoint and no learning curve (--steps M trains on to step M, "
+            "--resume none starts over)"
+        )
+        summary = training_summary(history[series[0]], [], workers=workers, seconds=0.0,
+                                   name=series[0])  # fmt: skip
+        summary.update(_previous_timing(args.out))
+        return model, summary
+
+    comparing = args.compare_plain > 0 and not args.plain
+    versus = _PlainTimer(model, meta_opt, meta_step, args) if comparing else None
     step_seconds = []
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=f"MAML, {mode}")
     began = time.perf_counter()
     for step in bar:
+        batch = sample(rng)
         tick = time.perf_counter()
-        values = meta_step(model, meta_opt, sample(rng), args)
+        values = meta_step(model, meta_opt, batch, args)
         step_seconds.append(time.perf_counter() - tick)
+        if versus is not None and (step - start) >= WARMUP_STEPS and step % args.compare_plain == 0:
+            versus.time(batch, step_seconds[-1])
         for name, value in zip(series, values, strict=True):
             history[name].append(value)
         if step % 10 == 0:
@@ -314,18 +414,114 @@ def meta_train(
             checkpoint(step + 1)
     bar.close()
     elapsed = time.perf_counter() - began
-    if start < args.steps:
-        checkpoint(args.steps)
-    else:
-        print(f"{resume} is already at step {args.steps}: nothing to train (--resume none: anew)")
+    checkpoint(args.steps)
     curve = args.out / "learning_curve.png"
     plot_learning_curve(curve, history, title=f"{title}, {mode}", log_y=log_y)
     summary = training_summary(
         history[series[0]], step_seconds, workers=workers, seconds=elapsed, name=series[0]
     )
     summary["mode"] = mode
-    print(f"wrote {args.out / 'checkpoint.pt'} and {curve}")
+    if versus is not None:
+        summary["versus_plain"] = versus.report(mode)
+    print(f"wrote {args.out / 'checkpoint.pt'} (step {args.steps}) and {curve}")
     return model, summary
+
+
+class _PlainTimer:
+    """Times the step of a parallel run in plain torch in this process, on the same batches.
+
+    The plain step runs on a copy of the model and of the optimizer (the parallel run's training
+    is untouched), once with one intra-op thread and once with one per core, as one process on
+    its own would run; meanwhile the other workers are idle. The plain steps follow the parallel
+    step on the same batch, so all see the machine in the same state: the comparison holds on a
+    machine shared with other jobs, where timings taken minutes apart do not.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        meta_step: Callable[..., list[float]],
+        args: argparse.Namespace,
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.meta_step = meta_step
+        self.args = argparse.Namespace(**{**vars(args), "plain": True})
+        self.copy: tuple[nn.Module, torch.optim.Optimizer] | None = None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self.threads = sorted({1, cores or 1})
+        # Seconds of each compared batch: the parallel step's, then the plain step's per count.
+        self.rows: list[list[float]] = []
+        self.warm = False  # the first comparison builds caches and thread pools: not kept
+
+    def time(self, batch: Any, parallel_seconds: float) -> None:
+        """Run ``batch``'s step in plain torch and record its time beside the parallel one."""
+        own_threads = torch.get_num_threads()
+        row = [parallel_seconds]
+        try:
+            if self.copy is None:
+                model = copy.deepcopy(self.model)
+                optimizer = type(self.optimizer)(model.parameters(), **self.optimizer.defaults)
+                optimizer.load_state_dict(self.optimizer.state_dict())
+                self.copy = model, optimizer
+            for threads in self.threads:
+                torch.set_num_threads(threads)
+                tick = time.perf_counter()
+                self.meta_step(*self.copy, batch, self.args)
+                row.append(time.perf_counter() - tick)
+        finally:
+            torch.set_num_threads(own_threads)
+        if self.warm:
+            self.rows.append(row)
+        self.warm = True
+
+    def report(self, mode: str) -> dict[str, Any] | None:
+        """Print and return the medians and speed-ups (None if no step was compared)."""
+        if not self.rows:
+            return None
+        ms = np.asarray(self.rows) * 1e3
+        parallel = float(np.median(ms[:, 0]))
+        result: dict[str, Any] = {"steps": len(ms), "ms_per_step": parallel, "plain": {}}
+        lines = [
+            f"speed on the same {len(ms)} steps (each run both ways; medians): {mode} "
+            f"{parallel:.1f} ms per step; plain torch in one process:"
+        ]
+        for column, threads in enumerate(self.threads, start=1):
+            plain = float(np.median(ms[:, column]))
+            ratios = ms[:, column] / ms[:, 0]
+            low, high = (float(np.percentile(ratios, q)) for q in (10, 90))
+            speedup = plain / parallel
+            verdict = (
+                f"{mode} is {speedup:.2f}x faster"
+                if speedup >= 1
+                else f"{mode} is {1 / speedup:.2f}x slower"
+            )
+            lines.append(
+                f"  {threads} thread{'s' if threads > 1 else ''}: {plain:.1f} ms per step, "
+                f"{verdict} (per-step ratio 10-90%: {low:.2f}-{high:.2f})"
+            )
+            result["plain"][str(threads)] = {
+                "ms_per_step": plain,
+                "speedup": speedup,
+                "speedup_p10_p90": [low, high],
+            }
+        print("\n".join(lines))
+        return result
+
+
+def _previous_timing(out: Path) -> dict[str, Any]:
+    """The timing keys of ``out``'s summary.json (empty if it has none or is not JSON)."""
+    try:
+        previous = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: previous[k] for k in TIMING_KEYS if k in previous}
+
+
+def write_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> None:
+    """Write ``summary`` as strict JSON (a value that is not a finite number is an error)."""
+    Path(path).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    print(f"wrote {path}")
 
 
 def training_summary(
@@ -336,30 +532,38 @@ def training_summary(
     seconds: float,
     name: str,
 ) -> dict[str, Any]:
-    """Loss at the start and end of the curve (means of 20 steps) and the time per step."""
+    """Loss at the start and end of the curve (means of 20 steps) and the time per step.
+
+    Values that do not exist (the time per step of a run that trained nothing) are None.
+    """
     n = max(1, min(20, len(curve)))
-    timed = list(step_seconds[WARMUP_STEPS:]) or list(step_seconds) or [float("nan")]
+    timed = list(step_seconds[WARMUP_STEPS:]) or list(step_seconds)
     ms = [1e3 * s for s in timed]
     summary: dict[str, Any] = {
         "steps": len(curve),
         "workers": workers,
-        "seconds": seconds,
-        "first_loss": float(np.mean(curve[:n])) if curve else float("nan"),
-        "last_loss": float(np.mean(curve[-n:])) if curve else float("nan"),
-        "ms_per_step": statistics.median(ms),
-        "ms_per_step_p10_p90": [float(np.percentile(ms, 10)), float(np.percentile(ms, 90))],
+        "trained_steps": len(step_seconds),
+        "seconds": seconds if step_seconds else None,
+        "first_loss": float(np.mean(curve[:n])) if curve else None,
+        "last_loss": float(np.mean(curve[-n:])) if curve else None,
+        "ms_per_step": statistics.median(ms) if ms else None,
+        "ms_per_step_p10_p90": (
+            [float(np.percentile(ms, 10)), float(np.percentile(ms, 90))] if ms else None
+        ),
     }
-    timing = (
-        f"{len(step_seconds)} steps in {seconds:.1f} s, {summary['ms_per_step']:.2f} ms per step "
-        f"(median; 10-90%: {summary['ms_per_step_p10_p90'][0]:.2f}-"
-        f"{summary['ms_per_step_p10_p90'][1]:.2f})"
-        if step_seconds
-        else "no steps run in this process (the checkpoint was already complete)"
-    )
-    print(
-        f"meta-train {name}: first {n} steps {summary['first_loss']:.3f}, "
-        f"last {n} steps {summary['last_loss']:.3f}; {timing}"
-    )
+    if ms:
+        timing = (
+            f"{len(step_seconds)} steps in {seconds:.1f} s, {summary['ms_per_step']:.2f} ms per "
+            f"step (median; 10-90%: {summary['ms_per_step_p10_p90'][0]:.2f}-"
+            f"{summary['ms_per_step_p10_p90'][1]:.2f})"
+        )
+    else:
+        timing = "no steps run in this process (the checkpoint was already complete)"
+    if curve:
+        first, last = summary["first_loss"], summary["last_loss"]
+        print(f"meta-train {name}: first {n} steps {first:.3f}, last {n} {last:.3f}; {timing}")
+    else:
+        print(f"meta-train {name}: {timing}")
     return summary
 
 
