@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_args(
         p, steps=300, tasks=8, hidden=64, inner_lr=0.4, meta_lr=1e-3, eval_tasks=200,
         save_every=50, out="runs/fewshot", hidden_help="filters per conv layer",
-        compare_plain=5,
+        compare_plain=10,
     )  # fmt: skip
     p.add_argument(
         "--dataset", choices=("glyphs", "digits"), default="glyphs",

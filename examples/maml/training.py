@@ -186,6 +186,7 @@ def _start_workers(n: int) -> None:
     """Run this script on ``n`` local workers exactly as ``torchrun --standalone`` would; a
     worker that fails ends the job with its exit status, its own message and one line from here
     instead of the launcher's ChildFailedError traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -204,6 +205,9 @@ def _start_workers(n: int) -> None:
             file=sys.stderr,
         )
         raise SystemExit(code) from None
+    except SignalException as stopped:  # Ctrl-C or a kill: the workers are stopped by now
+        print(f"{Path(sys.argv[0]).name}: stopped by signal {stopped.sigval}", file=sys.stderr)
+        raise SystemExit(128 + int(stopped.sigval)) from None
 
 
 # ----------------------------------------------------------------------------- checkpoints
