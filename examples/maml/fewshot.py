@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point on every worker: rank 0 trains, the others serve remote calls."""
-    launch(train, build_parser().parse_args(argv))
+    launch(train, build_parser().parse_args(argv), argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import inspect
 import io
 import json
 import os
@@ -150,10 +151,15 @@ def configure_threads(threads: int = 0) -> int:
     return threads
 
 
-def launch(train: Callable[[argparse.Namespace], object], args: argparse.Namespace) -> None:
+def launch(
+    train: Callable[[argparse.Namespace], object],
+    args: argparse.Namespace,
+    argv: Sequence[str] | None = None,
+) -> None:
     """Run ``train(args)``: on rank 0 of an RPC world (every worker calls this; the others serve
     remote calls until rank 0 is done), here alone with ``--plain``, or, with ``--workers N``
-    outside a launcher, start N local workers that do so.
+    outside a launcher, start N local workers that do so (each runs the file that defines
+    ``train`` with ``argv``, by default this process's command line).
 
     Every process checks ``--resume`` before any worker or RPC starts, so that a refused resume
     ends the job at once with one message and exit status 2.
@@ -176,21 +182,22 @@ def launch(train: Callable[[argparse.Namespace], object], args: argparse.Namespa
         train(args)
         return
     if args.workers > 1 and not launched:
-        _start_workers(args.workers)
+        script = inspect.getfile(train)
+        _start_workers(args.workers, script, sys.argv[1:] if argv is None else list(argv))
         return
     init = functools.partial(configure_threads, args.threads)
     metadist.auto_init_rpc(init)(metadist.rank_zero_only(train))(args)
 
 
-def _start_workers(n: int) -> None:
-    """Run this script on ``n`` local workers exactly as ``torchrun --standalone`` would; a
+def _start_workers(n: int, script: str, argv: list[str]) -> None:
+    """Run ``script argv`` on ``n`` local workers exactly as ``torchrun --standalone`` would; a
     worker that fails ends the job with its exit status, its own message and one line from here
     instead of the launcher's ChildFailedError traceback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    options = parse_args(["--standalone", f"--nproc-per-node={n}", sys.argv[0], *sys.argv[1:]])
+    options = parse_args(["--standalone", f"--nproc-per-node={n}", script, *argv])
     # Each worker sets its own thread count (configure_threads); torchrun's notice that it
     # would otherwise set one is noise here.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -200,13 +207,13 @@ def _start_workers(n: int) -> None:
         rank, failure = error.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 1
         print(
-            f"{Path(sys.argv[0]).name}: worker {rank} exited with status {failure.exitcode} "
+            f"{Path(script).name}: worker {rank} exited with status {failure.exitcode} "
             "(its output is above)",
             file=sys.stderr,
         )
         raise SystemExit(code) from None
     except SignalException as stopped:  # Ctrl-C or a kill: the workers are stopped by now
-        print(f"{Path(sys.argv[0]).name}: stopped by signal {stopped.sigval}", file=sys.stderr)
+        print(f"{Path(script).name}: stopped by signal {stopped.sigval}", file=sys.stderr)
         raise SystemExit(128 + int(stopped.sigval)) from None
 
 
