@@ -413,7 +413,7 @@ def meta_train(
             print(
                 "summary.json keeps the timing of the run that trained: "
                 f"{kept.get('trained_steps', '?')} steps, {kept['ms_per_step']:.2f} ms per step "
-                f"({kept.get('mode')})"
+                f"({kept.get('mode')})" + _speedup_words(kept.get("versus_plain"))
             )
         return model, summary
 
@@ -532,6 +532,14 @@ class _PlainTimer:
             "speedup_p10_p90": [low, high],
             "versus_threads": best,
         }
+
+
+def _speedup_words(versus: dict[str, Any] | None) -> str:
+    if not versus or "speedup" not in versus:
+        return ""
+    x = versus["speedup"]
+    words = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
+    return f", {words} than plain torch"
 
 
 def _previous_timing(out: Path) -> dict[str, Any]:
