@@ -486,7 +486,9 @@ class _PlainTimer:
             if self.copy is None:
                 model = copy.deepcopy(self.model)
                 optimizer = type(self.optimizer)(model.parameters(), **self.optimizer.defaults)
-                optimizer.load_state_dict(self.optimizer.state_dict())
+                # A deep copy: load_state_dict keeps the tensors it is given, and the plain
+                # steps must not move the Adam moments of the run being trained.
+                optimizer.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
                 self.copy = model, optimizer
             for threads in self.threads:
                 torch.set_num_threads(threads)
