@@ -132,8 +132,9 @@ def add_training_args(
         "--compare-plain",
         type=int,
         default=compare_plain,
-        help="every N-th step, also time the same step (same batch) in plain torch in this one "
-        "process on all cores, on a copy of the model, and print both medians (0: never)",
+        help="every N-th step, also time the same step (same batch) in plain torch in this "
+        "process, on a copy of the model, with 1 thread and with all cores, and print the "
+        "medians and the speed-up (0: never)",
     )
 
 
