@@ -296,9 +296,11 @@ def test_sinusoid_trains_on_two_workers_and_resumes_exactly(tmp_path: Path) -> N
     assert summary["ms_per_step"] > 0
     assert "ms per step" in proc.stdout
     # --compare-plain 20 (the default): steps 20, 40, ... after the warm-up, run in plain torch
-    # too, the first of them untimed.
+    # too, the first of them untimed; a clearly slower thread count is left out after 5.
     versus = summary["versus_plain"]
-    assert versus["steps"] == 400 // 20 - 2
+    assert max(versus["plain_steps"].values()) == 400 // 20 - 2
+    assert min(versus["plain_steps"].values()) >= 5
+    assert 5 <= versus["steps"] <= 400 // 20 - 2
     assert {"1", str(len(os.sched_getaffinity(0)))} == set(versus["plain_ms_per_step"])
     assert all(ms > 0 for ms in versus["plain_ms_per_step"].values())
     fastest = min(versus["plain_ms_per_step"].values())

@@ -15,6 +15,7 @@ import functools
 import inspect
 import io
 import json
+import math
 import os
 import random
 import re
@@ -459,8 +460,12 @@ class _PlainTimer:
     is untouched), once with one intra-op thread and once with one per core, as one process on
     its own would run; meanwhile the other workers are idle. The plain steps follow the parallel
     step on the same batch, so all see the machine in the same state: the comparison holds on a
-    machine shared with other jobs, where timings taken minutes apart do not.
+    machine shared with other jobs, where timings taken minutes apart do not. A thread count
+    clearly slower than the other over the first ``TRIAL`` comparisons is left out afterwards
+    (on a busy machine, two threads can take ten times as long as one).
     """
+
+    TRIAL = 5
 
     def __init__(
         self,
@@ -475,14 +480,16 @@ class _PlainTimer:
         self.copy: tuple[nn.Module, torch.optim.Optimizer] | None = None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self.threads = sorted({1, cores or 1})
-        # Seconds of each compared batch: the parallel step's, then the plain step's per count.
+        self.timing = list(self.threads)  # the counts still timed
+        # Seconds of each compared batch: the parallel step's, then the plain step's per count
+        # (NaN for a count no longer timed).
         self.rows: list[list[float]] = []
         self.warm = False  # the first comparison builds caches and thread pools: not kept
 
     def time(self, batch: Any, parallel_seconds: float) -> None:
         """Run ``batch``'s step in plain torch and record its time beside the parallel one."""
         own_threads = torch.get_num_threads()
-        row = [parallel_seconds]
+        row = [parallel_seconds] + [math.nan] * len(self.threads)
         try:
             if self.copy is None:
                 model = copy.deepcopy(self.model)
@@ -491,16 +498,24 @@ class _PlainTimer:
                 # steps must not move the Adam moments of the run being trained.
                 optimizer.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
                 self.copy = model, optimizer
-            for threads in self.threads:
+            for threads in self.timing:
                 torch.set_num_threads(threads)
                 tick = time.perf_counter()
                 self.meta_step(*self.copy, batch, self.args)
-                row.append(time.perf_counter() - tick)
+                row[1 + self.threads.index(threads)] = time.perf_counter() - tick
         finally:
             torch.set_num_threads(own_threads)
         if self.warm:
             self.rows.append(row)
         self.warm = True
+        if len(self.rows) == self.TRIAL and len(self.timing) > 1:
+            medians = self._plain_medians()
+            fastest = min(medians.values())
+            self.timing = [t for t in self.timing if medians[t] <= 1.5 * fastest]
+
+    def _plain_medians(self) -> dict[int, float]:
+        ms = np.asarray(self.rows) * 1e3
+        return {t: float(np.nanmedian(ms[:, i])) for i, t in enumerate(self.threads, start=1)}
 
     def report(self, mode: str) -> dict[str, Any] | None:
         """Print and return the medians and the speed-up over the fastest plain run (None if
@@ -508,13 +523,21 @@ class _PlainTimer:
         if not self.rows:
             return None
         ms = np.asarray(self.rows) * 1e3
-        parallel = float(np.median(ms[:, 0]))
-        plain = {t: float(np.median(ms[:, i])) for i, t in enumerate(self.threads, start=1)}
+        plain = self._plain_medians()
         best = min(plain, key=plain.__getitem__)
-        ratios = ms[:, 1 + self.threads.index(best)] / ms[:, 0]
+        column = 1 + self.threads.index(best)
+        paired = ms[~np.isnan(ms[:, column])]  # the steps timed both ways
+        parallel = float(np.median(paired[:, 0]))
+        ratios = paired[:, column] / paired[:, 0]
         low, high = (float(np.percentile(ratios, q)) for q in (10, 90))
-        speedup = plain[best] / parallel
-        each = ", ".join(f"{v:.1f} ms on {t} thread{'s' * (t > 1)}" for t, v in plain.items())
+        speedup = float(np.median(paired[:, column])) / parallel
+        counted = {t: int(np.count_nonzero(~np.isnan(ms[:, i]))) for i, t in
+                   enumerate(self.threads, start=1)}  # fmt: skip
+        each = ", ".join(
+            f"{plain[t]:.1f} ms on {t} thread{'s' * (t > 1)}"
+            + ("" if counted[t] == len(ms) else f" (first {counted[t]} steps, then left out)")
+            for t in self.threads
+        )
         if speedup >= 1:
             verdict = f"{mode} is {speedup:.2f}x faster than plain torch at its fastest here"
         else:
@@ -523,14 +546,15 @@ class _PlainTimer:
                 "step is too little work for the fixed cost of distributing it (docs/maml.md)"
             )
         print(
-            f"speed on the same {len(ms)} steps, each run both ways (medians): {mode} "
+            f"speed on the same {len(paired)} steps, each run both ways (medians): {mode} "
             f"{parallel:.1f} ms per step; plain torch in one process {each}.\n"
             f"{verdict} (per-step ratio 10-90%: {low:.2f}-{high:.2f})"
         )
         return {
-            "steps": len(ms),
+            "steps": len(paired),
             "ms_per_step": parallel,
             "plain_ms_per_step": {str(t): v for t, v in plain.items()},
+            "plain_steps": {str(t): n for t, n in counted.items()},
             "speedup": speedup,
             "speedup_p10_p90": [low, high],
             "versus_threads": best,
