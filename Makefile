@@ -57,10 +57,10 @@ docs:
 
 # The examples on two local workers (--workers 2 starts them as torchrun --standalone does, after
 # checking --resume). Options pass through: make maml ARGS="--resume none --steps 2000".
-# maml: the sinusoid at Finn et al.'s settings, into runs/sinusoid (4 minutes on 2 cores busy with
-# other jobs); a second run resumes there and trains only what --steps adds. fewshot: the conv-net
-# 5-way 1-shot MAML, into runs/fewshot (6 minutes on the same busy cores), where distributing
-# pays. Both print their time per step beside plain torch's on the same steps.
+# maml: the sinusoid at Finn et al.'s settings, into runs/sinusoid (1.5 minutes on 2 cores lightly
+# shared, 4 heavily); a second run resumes there and trains only what --steps adds. fewshot: the
+# conv-net 5-way 1-shot MAML, into runs/fewshot (2.5 minutes, 6 heavily shared), where
+# distributing pays. Both print their time per step beside plain torch's on the same steps.
 maml:
 	$(PY) examples/maml/sinusoid.py --workers 2 $(ARGS)
 
