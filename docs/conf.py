@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from typing import TYPE_CHECKING
+
 import metadist
+
+if TYPE_CHECKING:
+    from sphinx.application import Sphinx
 
 project = "metadist"
 author = "metadist developers"
@@ -27,6 +33,33 @@ myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 html_theme = "furo"
 html_title = "metadist"
-# Offline build: no intersphinx, no remote images.
+# Offline build: no intersphinx, no remote images. Every warning is an error under `make docs`
+# (-W), broken cross-references included.
 nitpicky = False
-suppress_warnings = ["myst.xref_missing"]
+
+
+# A block that needs N workers carries `<!-- torchrun: N -->` in the page source (tests/test_docs.py
+# runs it so; `torchrun: N, python` runs it under plain python too); the comment does not render,
+# so say it in the page too, just above the block.
+LAUNCHER = re.compile(r"^<!--\s*torchrun:\s*(\d+)\s*(,\s*python\s*)?-->[ \t]*$", re.M)
+
+
+def launcher_note(text: str) -> str:
+    """``text`` with a visible line naming the launcher above every ``torchrun: N`` block."""
+
+    def note(m: re.Match[str]) -> str:
+        alone = "; or alone, as a world of 1: `python script.py`" if m[2] else ""
+        return (
+            f"*Runs on {m[1]} workers: `torchrun --standalone --nproc_per_node={m[1]} "
+            f"script.py`{alone}.*\n\n{m[0]}"
+        )
+
+    return LAUNCHER.sub(note, text)
+
+
+def _source_read(app: Sphinx, docname: str, source: list[str]) -> None:
+    source[0] = launcher_note(source[0])
+
+
+def setup(app: Sphinx) -> None:
+    app.connect("source-read", _source_read)

@@ -3,7 +3,9 @@
 Conventions for fenced blocks in ``docs/*.md`` and ``README.md``:
 
 - a ```` ```python ```` block runs as a script under plain ``python`` (a world of 1);
-- preceded by ``<!-- torchrun: N -->`` it runs under ``torchrun --standalone --nproc_per_node=N``;
+- preceded by ``<!-- torchrun: N -->`` it runs under ``torchrun --standalone --nproc_per_node=N``
+  only (it needs N workers; the rendered docs say so above the block, see ``docs/conf.py``);
+  ``<!-- torchrun: N, python -->`` runs it both ways, for a page that offers both;
 - preceded by ``<!-- illustrative: reason -->`` it is not run (the reason is required);
 - preceded by ``<!-- requires: torchopt -->`` it runs under plain ``python`` with TorchOpt
   importable, and is skipped (with the reason shown) where TorchOpt is not installed (under CI,
@@ -139,9 +141,57 @@ def _optional_package_path(name: str) -> str | None:
     return str(target) if (target / name / "__init__.py").is_file() else None
 
 
+def launchers(block: Block) -> list[int | None]:
+    """How a block runs: ``None`` for plain ``python``, N for ``torchrun`` with N workers."""
+    if block.marker != "torchrun":
+        return [None]
+    parts = [part.strip() for part in block.arg.split(",")]
+    assert parts[0].isdigit(), f"{block.id}: expected torchrun: N, got {block.arg!r}"
+    assert int(parts[0]) >= 1, f"{block.id}: expected torchrun: N >= 1, got {block.arg!r}"
+    assert set(parts[1:]) <= {"python"}, f"{block.id}: after N only 'python', got {block.arg!r}"
+    return [int(parts[0]), *([None] if "python" in parts[1:] else [])]
+
+
+def _run_id(block: Block, launcher: int | None) -> str:
+    return f"{block.id}-{'python' if launcher is None else f'torchrun{launcher}'}"
+
+
+RUNS = [
+    pytest.param(block, launcher, id=_run_id(block, launcher))
+    for block in RUNNABLE
+    if block.lang == "python"
+    for launcher in launchers(block)
+]
+
+
+def test_pages_say_how_their_blocks_run() -> None:
+    """The marker that runs a block is what the rendered page shows above it (docs/conf.py)."""
+    sys.path.insert(0, str(REPO / "docs"))
+    try:
+        import conf
+    finally:
+        sys.path.remove(str(REPO / "docs"))
+    for path in DOC_FILES:
+        if path.parent != REPO / "docs":
+            continue
+        text = path.read_text()
+        rendered = conf.launcher_note(text)
+        for block in BLOCKS:
+            if block.path == path and block.marker == "torchrun":
+                n = launchers(block)[0]
+                assert f"Runs on {n} workers: `torchrun --standalone --nproc_per_node={n}" in (
+                    rendered
+                ), block.id
+    # A page that claims every block runs under plain python has no block that needs workers.
+    for block in BLOCKS:
+        text = block.path.read_text()
+        if re.search(r"[Ee]very block on this page runs[^.]*under\s+plain\s+`python`", text):
+            assert None in launchers(block), f"{block.id}: the page says plain python runs it"
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("block", [b for b in RUNNABLE if b.lang == "python"], ids=lambda b: b.id)
-def test_python_block_runs(block: Block, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("block", "launcher"), RUNS)
+def test_python_block_runs(block: Block, launcher: int | None, tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(block.body)
     env = {"PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
@@ -154,8 +204,8 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
             )
         if extra:
             env["PYTHONPATH"] = f"{REPO}{os.pathsep}{extra}"
-    if block.marker == "torchrun":
-        result = run_torchrun(script, int(block.arg), timeout=180, env=env, cwd=tmp_path)
+    if launcher is not None:
+        result = run_torchrun(script, launcher, timeout=180, env=env, cwd=tmp_path)
     else:
         result = run_command([sys.executable, str(script)], timeout=180, env=env, cwd=tmp_path)
     assert result.returncode == 0, (

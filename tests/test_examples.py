@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch alias
-from _dist import REPO, run_torchrun
+from _dist import REPO, run_command, run_torchrun
 
 EXAMPLES = REPO / "examples" / "maml"
 sys.path.insert(0, str(EXAMPLES))
@@ -211,14 +211,37 @@ def test_plain_run_resumes_automatically_and_refuses_another_run(
     assert got["step"] == 30
     assert got["history"] == want["history"]
     assert _params_equal(got["model"], want["model"])  # type: ignore[arg-type]
-    # Running a finished run again trains nothing and says so (no "nan ms per step").
+    trained = json.loads((split / "summary.json").read_text())
+    assert trained["trained_steps"] == 10  # the resumed process ran steps 20 to 30
+    assert trained["ms_per_step"] > 0
+    # Running a finished run again trains and writes nothing but its summary, says so, and the
+    # summary keeps the timing of the run that trained (strict JSON: no NaN anywhere).
+    capsys.readouterr()
+    files = {f: f.stat().st_mtime_ns for f in split.iterdir() if f.name != "summary.json"}
     sinusoid.main([*small, "--steps", "30", "--out", str(split)])
     out = capsys.readouterr().out
-    assert "no steps run in this process" in out
-    assert "nan" not in out
-    # Different options in the same --out: auto-resume refuses rather than mixing two runs.
-    with pytest.raises(SystemExit, match="--tasks 5 vs 6"):
+    assert "nothing to train" in out
+    assert "wrote no checkpoint" in out
+    assert "keeps the timing of the run that trained: 10 steps" in out
+    assert "wrote checkpoint" not in out.replace("wrote no checkpoint", "")
+    assert "nan" not in out.lower()
+    assert {f: f.stat().st_mtime_ns for f in split.iterdir() if f.name != "summary.json"} == files
+    again = json.loads(
+        (split / "summary.json").read_text(),
+        parse_constant=lambda name: pytest.fail(f"summary.json holds {name}, not JSON"),
+    )
+    for key in ("trained_steps", "seconds", "ms_per_step", "ms_per_step_p10_p90", "mode"):
+        assert again[key] == trained[key], key
+    # Different options in the same --out: auto-resume refuses, with one message and status 2,
+    # rather than mixing two runs.
+    with pytest.raises(SystemExit) as refused:
         sinusoid.main([*small[:2], "6", *small[3:], "--steps", "40", "--out", str(split)])
+    assert refused.value.code == 2
+    assert "--tasks 5 vs 6" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        sinusoid.main([*small, "--resume", str(tmp_path / "missing.pt"), "--out", str(split)])
+    assert refused.value.code == 2
+    assert "missing.pt: no such checkpoint file" in capsys.readouterr().err
     # fewshot's --plain evaluates without metadist too.
     fewshot.main(
         ["--plain", "--steps", "2", "--tasks", "2", "--query", "2", "--eval-tasks", "4",
@@ -227,6 +250,27 @@ def test_plain_run_resumes_automatically_and_refuses_another_run(
     summary = json.loads((tmp_path / "fewshot" / "summary.json").read_text())
     assert 0.0 <= summary["meta_test_accuracy"][0] <= 1.0
     assert summary["mode"] == "plain torch"
+    assert "versus_plain" not in summary  # --plain has nothing to compare with
+
+
+def test_a_refused_resume_ends_the_job_with_one_message_and_no_traceback(
+    tmp_path: Path,
+) -> None:
+    """--workers checks --resume before any worker starts; under torchrun, every rank checks
+    before RPC starts, so neither waits for the other."""
+    small = ["--tasks", "5", "--hidden", "8", "--no-eval", "--threads", "1", "--out", str(tmp_path)]
+    sinusoid.main(["--plain", *small, "--steps", "3"])
+    other = [*small[:1], "6", *small[2:], "--steps", "6"]
+    proc = run_command([sys.executable, str(EXAMPLES / "sinusoid.py"), "--workers", "2", *other])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("comes from a run with other options (--tasks 5 vs 6)") == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    # Under torchrun itself every rank exits with status 2 and rank 0 prints the message
+    # (torchrun then reports the failed ranks in its own way).
+    proc = run_torchrun(EXAMPLES / "sinusoid.py", 2, *other, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.count("comes from a run with other options (--tasks 5 vs 6)") == 1
+    assert "exitcode: 2" in proc.stderr
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -251,6 +295,18 @@ def test_sinusoid_trains_on_two_workers_and_resumes_exactly(tmp_path: Path) -> N
     assert summary["workers"] == 2
     assert summary["ms_per_step"] > 0
     assert "ms per step" in proc.stdout
+    # --compare-plain 20 (the default): steps 20, 40, ... after the warm-up, run in plain torch
+    # too, the first of them untimed; a clearly slower thread count is left out after 5.
+    versus = summary["versus_plain"]
+    assert max(versus["plain_steps"].values()) == 400 // 20 - 2
+    assert min(versus["plain_steps"].values()) >= 5
+    assert 5 <= versus["steps"] <= 400 // 20 - 2
+    assert {"1", str(len(os.sched_getaffinity(0)))} == set(versus["plain_ms_per_step"])
+    assert all(ms > 0 for ms in versus["plain_ms_per_step"].values())
+    fastest = min(versus["plain_ms_per_step"].values())
+    assert versus["speedup"] == pytest.approx(fastest / versus["ms_per_step"])
+    assert "plain torch in one process" in proc.stdout
+    assert "than plain torch at its fastest here" in proc.stdout
     assert "MAML" in proc.stdout
     assert "pretrained" in proc.stdout
     # Resuming from the step-200 checkpoint reproduces the straight run bit for bit.
@@ -266,7 +322,7 @@ def test_sinusoid_trains_on_two_workers_and_resumes_exactly(tmp_path: Path) -> N
 
 @pytest.mark.timeout(200)
 def test_fewshot_trains_on_two_workers_and_resumes_exactly(tmp_path: Path) -> None:
-    small = ("--tasks", "4", "--query", "3")
+    small = ("--tasks", "4", "--query", "3", "--compare-plain", "0")
     proc = run_torchrun(
         EXAMPLES / "fewshot.py", 2, "--steps", "12", *small, "--save-every", "6",
         "--eval-tasks", "8", "--out", str(tmp_path), timeout=90,
