@@ -189,18 +189,12 @@ def wake() -> None:
 _GRAPHS: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 _GONE: set[int] = set()
 _GRAPHS_LOCK = threading.Lock()
-_SERVING = threading.local()
 
 
 def kept_graphs() -> int:
     """How many graphs this worker keeps for a later gradient request."""
     with _GRAPHS_LOCK:
         return len(_GRAPHS)
-
-
-def serving() -> bool:
-    """Whether this thread is running a partition (a nested call starts from a worker)."""
-    return getattr(_SERVING, "depth", 0) > 0
 
 
 def _keep(key: int, leaves: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
@@ -329,7 +323,6 @@ def _run_partition(request: Request) -> Any:
             args, kwargs, leaves = transport.decode(args, kwargs, leaves=not attached)
     except Exception as error:
         return RemoteFailure.capture(error, me, "decode")
-    _SERVING.depth = getattr(_SERVING, "depth", 0) + 1
     try:
         with contextlib.ExitStack() as stack:
             state.enter(stack)
@@ -342,8 +335,6 @@ def _run_partition(request: Request) -> Any:
         return _reply(result, leaves, key, dtype, start)
     except Exception as error:
         return RemoteFailure.capture(error, me, "call")
-    finally:
-        _SERVING.depth -= 1
 
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]
