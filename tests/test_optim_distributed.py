@@ -172,6 +172,15 @@ def _inputs(n: int, seed: int = 7) -> list[torch.Tensor]:
     return [torch.randn(3, DIM, generator=gen) for _ in range(n)]
 
 
+def _assert_same_state(sd: dict[str, Any], ref_sd: dict[str, Any], what: str) -> None:
+    """The optimizer state of ``sd`` equals the local optimizer's ``ref_sd``, entry by entry."""
+    assert set(sd["state"]) == set(ref_sd["state"]), what
+    for i, entry in ref_sd["state"].items():
+        assert set(sd["state"][i]) == set(entry), what
+        for key, value in entry.items():
+            torch.testing.assert_close(sd["state"][i][key], value, **TOL)
+
+
 def _dist_step(
     model: Model, opt: DistributedOptimizer, x: torch.Tensor, skip: int | None = None
 ) -> None:
@@ -467,11 +476,7 @@ def _check_state_dict(world_size: int) -> None:
     ref_sd = ref.state_dict()
     assert sd["param_groups"][0]["params"] == ref_sd["param_groups"][0]["params"]
     assert sd["param_groups"][0]["lr"] == 0.05
-    assert set(sd["state"]) == set(ref_sd["state"])
-    for i, entry in ref_sd["state"].items():
-        assert set(sd["state"][i]) == set(entry)
-        for key, value in entry.items():
-            torch.testing.assert_close(sd["state"][i][key], value, **TOL)
+    _assert_same_state(sd, ref_sd, "")
     snapshot = model.values()
     for x in xs[3:]:
         _dist_step(model, opt, x)
@@ -720,10 +725,7 @@ def _check_param_groups(world_size: int) -> None:
             model.assert_matches_local(what=f"{what} after add_param_group, step {step}")
         sd, ref_sd = opt.state_dict(), ref.state_dict()
         assert sd["param_groups"] == ref_sd["param_groups"], what
-        assert set(sd["state"]) == set(ref_sd["state"]), what
-        for i, entry in ref_sd["state"].items():
-            for key, value in entry.items():
-                torch.testing.assert_close(sd["state"][i][key], value, **TOL)
+        _assert_same_state(sd, ref_sd, what)
         snapshot = model.values()
         for x in xs[4:]:
             _dist_step(model, opt, x)
