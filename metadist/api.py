@@ -628,6 +628,10 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     for i, (_, p_args, p_kwargs) in enumerate(parts):
         if i not in call.requests:  # runs in-process: the same checks as if it were sent
             transport.check_sendable(p_args, p_kwargs)
+    if not remote:  # every partition runs here: nothing to schedule
+        for i in range(len(parts)):
+            call.run_here(i)
+        return call
     attached = any(r.key < 0 for r in call.requests.values())
     if sync and not attached:
         # A dynamic schedule hands slots out from the RPC thread the moment a partition
