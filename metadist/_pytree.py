@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils._pytree import (
@@ -15,6 +16,7 @@ from torch.utils._pytree import (
 
 __all__ = [
     "argument_path",
+    "flatten_arguments",
     "keystr",
     "tree_flatten",
     "tree_flatten_with_path",
@@ -26,3 +28,21 @@ __all__ = [
 def argument_path(path: tuple[Any, ...]) -> str:
     """Name a leaf of the pair ``(args, kwargs)`` by its path, e.g. ``args[1]['x']``."""
     return ("args" if getattr(path[0], "idx", 0) == 0 else "kwargs") + keystr(path[1:])
+
+
+Rebuild = Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def flatten_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Rebuild]:
+    """The leaves of ``(args, kwargs)`` in ``tree_flatten``'s order, and how to rebuild the
+    pair from new leaves. A call flattens its arguments several times; when none of them is a
+    container (tensors and modules, the common case) this skips pytree's walk."""
+    if all(tree_is_leaf(a) for a in args) and all(tree_is_leaf(v) for v in kwargs.values()):
+        count, keys = len(args), list(kwargs)
+
+        def rebuild(leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return tuple(leaves[:count]), dict(zip(keys, leaves[count:], strict=True))
+
+        return [*args, *kwargs.values()], rebuild
+    leaves, spec = tree_flatten((args, kwargs))
+    return leaves, lambda new: tree_unflatten(new, spec)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from metadist._pytree import argument_path, tree_flatten_with_path, tree_is_leaf, tree_unflatten
+from metadist._pytree import argument_path, flatten_arguments, tree_flatten_with_path
 from metadist.world import get_worker_id, get_world_size
 
 __all__ = [
@@ -177,23 +177,7 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         def name(i: int) -> str:  # of leaf i, for messages only: key paths cost a flattening
             return argument_path(tree_flatten_with_path((args, dict(kwargs)))[0][i][0])
 
-        # Ask torch's pytree which values are containers, so the fast path agrees with
-        # tree_flatten: a test on registered types misses namedtuples (pytree matches them
-        # structurally) and would copy them whole to every worker.
-        if all(tree_is_leaf(a) for a in args) and all(tree_is_leaf(v) for v in kwargs.values()):
-            keys, n_args = list(kwargs), len(args)
-            leaves = [*args, *kwargs.values()]
-
-            def rebuild(row: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-                return tuple(row[:n_args]), dict(zip(keys, row[n_args:], strict=True))
-
-        else:
-            pairs, spec = tree_flatten_with_path((args, dict(kwargs)))
-            leaves = [leaf for _, leaf in pairs]
-
-            def rebuild(row: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-                return tree_unflatten(row, spec)
-
+        leaves, rebuild = flatten_arguments(args, dict(kwargs))
         columns, sizes = self._columns(leaves, name, len(worker_ids))
         parts = Partitions(sizes=sizes, schedule=self.schedule)
         for i in range(len(sizes)):

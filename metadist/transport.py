@@ -32,7 +32,13 @@ from torch import nn
 from torch.autograd import forward_ad
 
 from metadist import structure
-from metadist._pytree import argument_path, tree_flatten, tree_flatten_with_path, tree_unflatten
+from metadist._pytree import (
+    argument_path,
+    flatten_arguments,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 from metadist.structure import STRUCTURE_CACHE_SIZE, clear_module_cache, invalidate_module_cache
 
 __all__ = [
@@ -346,7 +352,7 @@ def encode(
     """
     if not _needs_encoding(args, dtype, attached) and not _needs_encoding(kwargs, dtype, attached):
         return args, kwargs, False, (), []  # the common fast path: nothing to rewrite
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, rebuild = flatten_arguments(args, kwargs)
     new_structures: list[str] = []
     sources: list[torch.Tensor] = []
     for i, leaf in enumerate(leaves):
@@ -375,7 +381,7 @@ def encode(
                 leaves[i] = wire(leaf, dtype)
         elif not is_plain(leaf):
             refuse_hidden_grad(leaf, f"argument {_name((args, kwargs, i))}")
-    new_args, new_kwargs = tree_unflatten(leaves, spec)
+    new_args, new_kwargs = rebuild(leaves)
     return new_args, new_kwargs, True, tuple(new_structures), sources
 
 
@@ -387,7 +393,7 @@ def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """
     if not _needs_encoding(args, None, True) and not _needs_encoding(kwargs, None, True):
         return
-    leaves, _ = tree_flatten((args, kwargs))
+    leaves, _ = flatten_arguments(args, kwargs)
     for i, leaf in enumerate(leaves):
         where = (args, kwargs, i)
         if isinstance(leaf, nn.Module):
@@ -428,7 +434,7 @@ def decode(
     leaves; returns ``(args, kwargs, leaves)`` with the leaves that require grad in the order of
     :func:`encode`'s ``sources``. Raises ``RuntimeError`` for a structure neither sent nor cached.
     """
-    flat, spec = tree_flatten((args, kwargs))
+    flat, rebuild = flatten_arguments(args, kwargs)
     made: list[torch.Tensor] | None = [] if leaves else None
     for i, leaf in enumerate(flat):
         if isinstance(leaf, _ModuleRef):
@@ -440,7 +446,7 @@ def decode(
                 made.append(flat[i])
         else:
             flat[i] = unwire(leaf)
-    new_args, new_kwargs = tree_unflatten(flat, spec)
+    new_args, new_kwargs = rebuild(flat)
     return new_args, new_kwargs, made or []
 
 
