@@ -1,4 +1,4 @@
-"""What distributing a small MAML step costs: metadist against plain torch and hand-written peers.
+"""What distributing a small MAML step costs: metadist against plain torch, the limit and peers.
 
 The step is the sinusoid MAML of Finn et al.: a 1-40-40-1 MLP, 10 support and 10 query points
 per task, one inner SGD step (lr 0.01) vectorised over the tasks with ``torch.func.vmap``, a
@@ -7,20 +7,26 @@ the same meta-batch, on one thread per process, and is timed per full step (forw
 meta-step):
 
 * ``plain``: one process, no RPC, ``loss.backward()``.
+* ``limit``: what two processes can do at best: two plain processes with half the tasks each,
+  started together before every step (a Gloo barrier), no communication; the slower one's
+  median. The other two-process rows are reported as ratios to it.
 * ``md W=1``: metadist in a world of 1 (``python script.py``): ``remote_sync_call`` with the
   default partitioner, plain ``loss.backward()``.
 * ``md W=2``: the same call in a world of 2; rank 0 drives and computes its own half in-process.
+* ``md ctx W=2``: the same in the torchopt form, ``metadist.autograd.context()`` and
+  ``metadist.autograd.backward``.
 * ``raw W=2``: hand-written ``torch.distributed.rpc``: the tasks split in two, one ``rpc_async``
   per worker (rank 0's own half included, as a plain fan-out does), parameters sent as
   ``p.view_as(p)`` so that distributed autograd links them, ``dist_autograd.backward``.
 * ``spmd W=2``: the learn2learn pattern: each process computes the loss of its half, runs a
   local backward and averages the gradients with ``all_reduce`` (Gloo), then steps its own copy.
 
-``plain``, ``md W=2`` and ``raw W=2`` run in one world of 2, interleaved round by round;
-``plain`` and ``md W=1`` in one process, interleaved; ``spmd W=2`` in its own pair of processes.
-The ratios printed are medians over rounds (each round: the median of ``--steps`` steps), with
-the spread (min-max over rounds). Each variant's meta-gradient is checked against ``plain``'s
-(relative error <= 1e-5). ``--plot`` saves speed-up against tasks per meta-batch.
+Every two-process variant runs in one world of 2 (RPC and a Gloo group in the same two
+processes), interleaved round by round, so that all of them meet the machine in the same state;
+``plain`` and ``md W=1`` also run in a process of their own, interleaved. The ratios printed are
+medians of the per-round ratios (each round: the median of ``--steps`` steps), with their spread
+(min-max). Each variant's meta-gradient is checked against ``plain``'s (relative error <= 1e-5).
+``--plot`` saves speed-up against tasks per meta-batch.
 
 Run: ``python benchmarks/bench_overhead.py`` (``--quick`` for a smoke run).
 """
@@ -128,6 +134,18 @@ def step_metadist(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Ten
     opt.step()
 
 
+def step_metadist_context(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]
+) -> None:
+    opt.zero_grad()
+    with metadist.autograd.context() as ctx:
+        loss = metadist.remote_sync_call(
+            module_meta_loss, args=(model, *batch), reducer=metadist.mean_reducer
+        )
+        metadist.autograd.backward(ctx, [loss])
+    opt.step()
+
+
 def step_raw(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
     opt.zero_grad()
     world = 2  # ranks 0 and 1
@@ -155,6 +173,7 @@ STEPS: dict[str, Callable[[nn.Module, torch.optim.Optimizer, tuple[Tensor, ...]]
     "plain": step_plain,
     "md W=1": step_metadist,
     "md W=2": step_metadist,
+    "md ctx W=2": step_metadist_context,
     "raw W=2": step_raw,
 }
 
@@ -177,10 +196,85 @@ def check_grad(name: str, tasks: int, step: Callable[..., None]) -> float:
     return err
 
 
+# --------------------------------------------------------------------------------------------
+# Two-process variants without a driver: both ranks run them together
+
+
+def _half(tasks: int, rank: int) -> tuple[list[Tensor], float]:
+    half = [torch.tensor_split(t, 2)[rank] for t in make_batch(tasks)]
+    return half, len(half[0]) / tasks  # the weight of this half in the global mean
+
+
+def _spmd_step(model: nn.Module, opt: torch.optim.Optimizer, half: list[Tensor], w: float) -> None:
+    opt.zero_grad()
+    (module_meta_loss(model, *half) * w).backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+    dist.all_reduce(flat)
+    offset = 0
+    for p in model.parameters():
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))  # type: ignore[union-attr]
+        offset += p.numel()
+    opt.step()
+
+
+def _limit_step(model: nn.Module, opt: torch.optim.Optimizer, half: list[Tensor], _: float) -> None:
+    opt.zero_grad()
+    module_meta_loss(model, *half).backward()
+    opt.step()
+
+
+PAIRS = {"limit": _limit_step, "spmd W=2": _spmd_step}
+_PAIR_SETUPS: dict[tuple[str, int], tuple[nn.Module, torch.optim.Optimizer]] = {}
+
+
+def pair_round(name: str, tasks: int, steps: int) -> float:
+    """This process's median ms over ``steps`` steps of two-process variant ``name``.
+
+    Both ranks call it at once (rank 1 through RPC); a barrier starts every step together.
+    """
+    half, weight = _half(tasks, dist.get_rank())
+    step = PAIRS[name]
+    if (name, tasks) not in _PAIR_SETUPS:
+        model = make_model()
+        _PAIR_SETUPS[name, tasks] = (model, torch.optim.Adam(model.parameters(), lr=1e-3))
+        for _ in range(3):  # warm up
+            dist.barrier()
+            step(*_PAIR_SETUPS[name, tasks], half, weight)
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step(*_PAIR_SETUPS[name, tasks], half, weight)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def spmd_grad(tasks: int) -> Tensor:
+    """The SPMD variant's meta-gradient on this rank, from fresh parameters."""
+    model = make_model()
+    _spmd_step(model, torch.optim.SGD(model.parameters(), lr=0.0), *_half(tasks, dist.get_rank()))
+    return flat_grad(model)
+
+
+def leave() -> None:
+    dist.barrier()  # leave together: a peer gone mid-teardown aborts Gloo's threads
+    dist.destroy_process_group()
+
+
+def _both(fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
+    """``fn(*args)`` run on rank 0 (here) and on rank 1 at once: both results."""
+    theirs = rpc.rpc_async(1, fn, args=args)
+    mine = fn(*args)
+    return mine, theirs.wait()
+
+
 def time_interleaved(
     variants: list[str], tasks: int, steps: int, rounds: int
 ) -> dict[str, list[float]]:
-    """Per variant, the median step time (ms) of each round; variants alternate every round."""
+    """Per variant, the median step time (ms) of each round; variants alternate every round.
+
+    In the world of 2, the two-process variants (``PAIRS``) take their turn in each round too.
+    """
     batch = make_batch(tasks)
     setups = {}
     for name in variants:
@@ -188,10 +282,13 @@ def time_interleaved(
         setups[name] = (model, torch.optim.Adam(model.parameters(), lr=1e-3))
         for _ in range(3):  # warm up
             STEPS[name](*setups[name], batch)
-    out: dict[str, list[float]] = {name: [] for name in variants}
+    order = variants + (list(PAIRS) if dist.is_initialized() else [])
+    out: dict[str, list[float]] = {name: [] for name in order}
     for r in range(rounds):
-        order = variants if r % 2 == 0 else variants[::-1]
-        for name in order:
+        for name in order if r % 2 == 0 else order[::-1]:
+            if name in PAIRS:
+                out[name].append(max(_both(pair_round, name, tasks, steps)))  # the slower one
+                continue
             times = []
             for _ in range(steps):
                 start = time.perf_counter()
@@ -218,21 +315,31 @@ def _env(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def _rpc_child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
-    _env(rank, 2, port)
+DRIVEN = ["plain", "md W=2", "md ctx W=2", "raw W=2"]
+
+
+def _pair_child(rank: int, ports: tuple[int, int], cfg: dict[str, Any], out: str) -> None:
+    _env(rank, 2, ports[0])
 
     @metadist.auto_init_rpc()
     def main() -> None:
+        # A Gloo group beside RPC, in the same processes: every variant shares one world.
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=2
+        )
         if rank != 0:
-            return
+            return  # serves RPC, and through it its half of the two-process variants
         results: dict[str, Any] = {"times": {}, "errors": {}}
-        variants = ["plain", "md W=2", "raw W=2"]
         for tasks in cfg["tasks"]:
-            for name in variants[1:]:
+            for name in DRIVEN[1:]:
                 results["errors"][f"{name}/{tasks}"] = check_grad(name, tasks, STEPS[name])
+            ref = reference_grad(tasks)
+            errors = [float((g - ref).norm() / ref.norm()) for g in _both(spmd_grad, tasks)]
+            results["errors"][f"spmd W=2/{tasks}"] = max(errors)
             results["times"][str(tasks)] = time_interleaved(
-                variants, tasks, cfg["steps"], cfg["rounds"]
+                DRIVEN, tasks, cfg["steps"], cfg["rounds"]
             )
+        _both(leave)
         Path(out).write_text(json.dumps(results))
 
     main()
@@ -256,57 +363,9 @@ def _world_of_one(cfg: dict[str, Any], out: str) -> None:
     main()
 
 
-def _spmd_child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
-    _env(rank, 2, port)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        results: dict[str, Any] = {"times": {}, "errors": {}}
-        for tasks in cfg["tasks"]:
-            half = [torch.tensor_split(t, 2)[rank] for t in make_batch(tasks)]
-            weight = len(half[0]) / tasks  # the global mean, whatever the split
-
-            def step(
-                model: nn.Module, opt: torch.optim.Optimizer, half=half, weight=weight
-            ) -> None:
-                opt.zero_grad()
-                (module_meta_loss(model, *half) * weight).backward()
-                flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-                dist.all_reduce(flat)
-                offset = 0
-                for p in model.parameters():
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
-                opt.step()
-
-            model = make_model()
-            step(model, torch.optim.SGD(model.parameters(), lr=0.0))
-            ref = reference_grad(tasks)
-            results["errors"][f"spmd W=2/{tasks}"] = float(
-                (flat_grad(model) - ref).norm() / ref.norm()
-            )
-            model = make_model()
-            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-            for _ in range(3):
-                step(model, opt)
-            rounds = []
-            for _ in range(cfg["rounds"]):
-                times = []
-                for _ in range(cfg["steps"]):
-                    dist.barrier()  # both start together, as in a training loop's lockstep
-                    start = time.perf_counter()
-                    step(model, opt)
-                    times.append((time.perf_counter() - start) * 1e3)
-                rounds.append(statistics.median(times))
-            results["times"][str(tasks)] = {"spmd W=2": rounds}
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
-        dist.barrier()  # leave together: a peer gone mid-teardown aborts Gloo's threads
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(fn: Callable[..., None], cfg: dict[str, Any], out: str) -> None:
-    mp.start_processes(fn, args=(free_loopback_port(), cfg, out), nprocs=2, start_method="spawn")
+def _spawn_pair(cfg: dict[str, Any], out: str) -> None:
+    ports = (free_loopback_port(), free_loopback_port())
+    mp.start_processes(_pair_child, args=(ports, cfg, out), nprocs=2, start_method="spawn")
 
 
 def _single(cfg: dict[str, Any], out: str) -> None:
@@ -338,44 +397,36 @@ def _merge(
 
 def _ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
     """Median and spread of the per-round ratios a/b (rounds were interleaved)."""
-    ratios = (
-        [x / y for x, y in zip(a, b, strict=True)]
-        if len(a) == len(b)
-        else [statistics.median(a) / statistics.median(b)]
-    )
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
+NAMES = ["plain", "limit", "md W=1", "md W=2", "md ctx W=2", "raw W=2", "spmd W=2"]
+
+
 def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -> list[str]:
-    lines = []
-    names = ["plain", "md W=1", "md W=2", "raw W=2", "spmd W=2"]
-    header = f"{'tasks':>5} " + " ".join(f"{n:>16}" for n in names)
-    lines.append(
-        "ms per step, median over rounds; (speed-up over plain torch timed in the same process "
-        "or world)"
-    )
-    lines.append(header)
+    lines = [
+        "ms per step, median over rounds (median per-round ratio to the limit; md W=1: to the "
+        "plain step timed beside it in its own process)",
+        f"{'tasks':>5} " + " ".join(f"{n:>17}" for n in NAMES),
+    ]
     for tasks in sorted(times):
         per = times[tasks]
-        plain = statistics.median(per["plain"])
         cells = []
-        for name in names:
+        for name in NAMES:
             rounds = per.get(name)
             if rounds is None:
-                cells.append(f"{'-':>16}")
+                cells.append(f"{'-':>17}")
                 continue
-            med = statistics.median(rounds)
-            # md W=1 runs in its own process, against the plain step timed beside it there.
-            ref = statistics.median(per["plain (1)"]) if name == "md W=1" else plain
-            cells.append(f"{med:6.2f} ({ref / med:4.2f}x)".rjust(16))
+            ratio = _ratio(rounds, per["plain (1)"] if name == "md W=1" else per["limit"])[0]
+            cells.append(f"{statistics.median(rounds):6.2f} ({ratio:4.2f}x)".rjust(17))
         lines.append(f"{tasks:>5} " + " ".join(cells))
-    lines.append("")
-    lines.append("targets (ratios of interleaved rounds: median [min-max])")
+    lines += ["", "targets (ratios of interleaved rounds: median [min-max])"]
 
     def show(label: str, value: tuple[float, float, float], target: str, ok: bool) -> None:
         med, lo, hi = value
         lines.append(
-            f"  {label:<46} {med:5.2f} [{lo:4.2f}-{hi:4.2f}]  target {target:<7} "
+            f"  {label:<38} {med:5.2f} [{lo:4.2f}-{hi:4.2f}]  target {target:<7} "
             f"{'met' if ok else 'MISSED'}"
         )
 
@@ -383,18 +434,15 @@ def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -
         per = times[tasks]
         if tasks == 25 and "md W=1" in per:
             r = _ratio(per["md W=1"], per["plain (1)"])
-            show("md W=1 / plain (25 tasks)", r, "<= 1.15", r[0] <= 1.15)
-        if tasks in (25, 100):
-            r = _ratio(per["raw W=2"], per["md W=2"])
-            show(f"raw W=2 / md W=2 ({tasks} tasks)", r, ">= 1.3", r[0] >= 1.3)
-        if tasks == 400:
-            r = _ratio(per["plain"], per["md W=2"])
-            show("plain / md W=2 (400 tasks)", r, ">= 1.2", r[0] >= 1.2)
-    even = [t for t in sorted(times) if _ratio(times[t]["plain"], times[t]["md W=2"])[0] >= 1.0]
-    lines.append(
-        f"  md W=2 breaks even with plain from {even[0] if even else 'beyond'} tasks "
-        f"(target <= 150)"
-    )
+            show("md W=1 / plain (25 tasks)", r, "<= 1.05", r[0] <= 1.05)
+        bound = {25: 1.3, 400: 1.15}.get(tasks)
+        if bound is None:
+            continue
+        for name in ("md W=2", "md ctx W=2"):
+            r = _ratio(per[name], per["limit"])
+            show(f"{name} / limit ({tasks} tasks)", r, f"<= {bound}", r[0] <= bound)
+            r = _ratio(per[name], per["spmd W=2"])
+            show(f"{name} / spmd W=2 ({tasks} tasks)", r, "<= 1.0", r[0] <= 1.0)
     lines.append("")
     worst = max(errors.values()) if errors else float("nan")
     lines.append(f"meta-gradients equal plain torch's: max relative error {worst:.1e} (<= 1e-5)")
@@ -409,11 +457,12 @@ def plot(times: dict[int, dict[str, list[float]]], path: Path) -> None:
 
     tasks = sorted(times)
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, style in (("md W=2", "o-"), ("spmd W=2", "s--"), ("raw W=2", "^:"), ("md W=1", "x-")):
+    styles = {"limit": "k-", "md W=2": "o-", "md ctx W=2": "d-", "spmd W=2": "s--", "raw W=2": "^:"}
+    for name, style in styles.items():
         if all(name in times[t] for t in tasks):
-            ref = "plain (1)" if name == "md W=1" else "plain"
             speedup = [
-                statistics.median(times[t][ref]) / statistics.median(times[t][name]) for t in tasks
+                statistics.median(times[t]["plain"]) / statistics.median(times[t][name])
+                for t in tasks
             ]
             ax.plot(tasks, speedup, style, label=name)
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -430,7 +479,7 @@ def plot(times: dict[int, dict[str, list[float]]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="25,50,100,150,200,400", help="meta-batch sizes")
+    parser.add_argument("--tasks", default="25,50,100,200,400", help="meta-batch sizes")
     parser.add_argument("--steps", type=int, default=15, help="steps per round and variant")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few sizes and steps")
@@ -455,9 +504,7 @@ def main() -> None:
     )
     parts = []
     with tempfile.TemporaryDirectory() as folder:
-        for i, run in enumerate(
-            (_single, lambda c, o: _spawn(_rpc_child, c, o), lambda c, o: _spawn(_spmd_child, c, o))
-        ):
+        for i, run in enumerate((_single, _spawn_pair)):
             out = os.path.join(folder, f"{i}.json")
             run(cfg, out)
             parts.append(json.loads(Path(out).read_text()))
