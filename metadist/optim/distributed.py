@@ -374,7 +374,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             _check(f"state_dict['state'][{key!r}]", type(value).__name__, ok, expected)
         window = state_dict.get(_WINDOW)
         w = window if isinstance(window, Mapping) else {} if window is None else {"passes": None}
-        passes, grads = w.get("passes", 0), w.get("gradients", {})
+        passes: Any = w.get("passes", 0)
+        grads: Any = w.get("gradients", {})
         ok = (
             isinstance(passes, int)
             and isinstance(grads, Mapping)
@@ -569,7 +570,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
         self._unscaled: dict[tuple[int, int], bool] = {}  # (optimizer, context) -> found inf
         self._found_inf = False
 
-    def scale(self, outputs: T) -> T:  # type: ignore[override]
+    def scale(self, outputs: T) -> T:
         """Multiply a loss (or a list/tuple of them) by the scale factor.
 
         Args:
@@ -582,7 +583,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
             TypeError: If ``outputs`` holds something other than tensors.
         """
         if isinstance(outputs, list | tuple):
-            return type(outputs)(self.scale(o) for o in outputs)  # type: ignore[return-value]
+            return type(outputs)(self.scale(o) for o in outputs)
         if not isinstance(outputs, Tensor):
             raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {outputs!r}")
         return super().scale(outputs)  # type: ignore[return-value]
