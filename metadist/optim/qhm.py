@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["QHM", "qhm"]
+__all__ = ["QHM", "QHMTwin", "qhm"]
 
 
 def qhm(
@@ -82,6 +82,60 @@ def qhm(
         buf.mul_(momentum).add_(g, alpha=1.0 - momentum)
         p.add_(buf, alpha=-lr * nu)
         p.add_(g, alpha=-lr * (1.0 - nu))
+
+
+class QHMTwin:
+    """:class:`QHM` on explicit gradients (what ``FunctionalQHM`` steps), written for TorchScript
+    as torch's functional optimizers are.
+
+    Args:
+        params: Parameters to update.
+        lr: As in :class:`QHM`.
+        momentum: As in :class:`QHM`.
+        nu: As in :class:`QHM`.
+        weight_decay: As in :class:`QHM`.
+        weight_decay_type: As in :class:`QHM`.
+        maximize: As in :class:`QHM`.
+        foreach: As in :class:`QHM`.
+    """
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        lr: float,
+        momentum: float,
+        nu: float,
+        weight_decay: float = 0.0,
+        weight_decay_type: str = "grad",
+        maximize: bool = False,
+        foreach: bool = False,
+    ) -> None:
+        self.defaults = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
+        self.weight_decay_type = weight_decay_type
+        self.maximize = maximize
+        self.foreach = foreach
+        self.param_group = {"params": params}
+        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
+
+    def step(self, gradients: list[Tensor | None]) -> None:
+        """Step every parameter whose gradient is not ``None``.
+
+        Args:
+            gradients: One per parameter, in order.
+        """
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        bufs: list[Tensor] = []
+        for p, g in zip(self.param_group["params"], gradients):  # noqa: B905 (TorchScript)
+            if g is not None:
+                if p not in self.state:  # created once: the buffer persists
+                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+                params.append(p)
+                grads.append(g)
+                bufs.append(self.state[p]["momentum_buffer"])
+        d, flags = self.defaults, (self.weight_decay_type, self.maximize, self.foreach)
+        with torch.no_grad():
+            qhm(params, grads, bufs, d["lr"], d["momentum"], d["nu"], d["weight_decay"], *flags)
 
 
 class QHM(torch.optim.Optimizer):
