@@ -115,10 +115,7 @@ class Group:
             return
         accepted = set(inspect.signature(cls).parameters)
         kwargs = {k: v for k, v in hparams.items() if k in accepted and k != "params"}
-        foreach: bool | None = kwargs.pop("foreach", None)
-        fused: bool | None = kwargs.pop("fused", None)
-        if foreach and fused:
-            raise ValueError("fused=True and foreach=True cannot be used together; pick one")
+        foreach, fused = kwargs.pop("foreach", None), kwargs.pop("fused", None)
         mode = spec.mode
         if mode == "auto":
             mode = "eager" if "foreach" in accepted or "fused" in accepted else "scripted"
@@ -127,12 +124,9 @@ class Group:
                 _log_eager_fallback(cls.__name__, problem)
                 mode = "eager"
         if mode == "scripted" and (foreach or fused):
-            raise ValueError(
-                "foreach=True / fused=True cannot run under TorchScript; use mode='eager' "
-                "for these owners or leave foreach/fused unset"
-            )
+            raise ValueError("foreach=True / fused=True cannot run under TorchScript; use 'eager'")
         self.mode, self.kernel = mode, "single-tensor"
-        if mode == "eager":
+        if mode == "eager":  # (the caller refused foreach=True with fused=True)
             self.kernel = eager_kernel(accepted, params, foreach, fused)
             if self.kernel != "single-tensor":
                 kwargs[self.kernel] = True

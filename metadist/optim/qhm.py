@@ -85,19 +85,8 @@ def qhm(
 
 
 class QHMTwin:
-    """:class:`QHM` on explicit gradients (what ``FunctionalQHM`` steps), written for TorchScript
-    as torch's functional optimizers are.
-
-    Args:
-        params: Parameters to update.
-        lr: As in :class:`QHM`.
-        momentum: As in :class:`QHM`.
-        nu: As in :class:`QHM`.
-        weight_decay: As in :class:`QHM`.
-        weight_decay_type: As in :class:`QHM`.
-        maximize: As in :class:`QHM`.
-        foreach: As in :class:`QHM`.
-    """
+    """:class:`QHM` on explicit gradients, for TorchScript as torch's functional optimizers are
+    (what ``FunctionalQHM`` steps; its arguments are :class:`QHM`'s)."""
 
     def __init__(
         self,
@@ -203,14 +192,12 @@ class QHM(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if any(p.grad.is_sparse for p in params):
+            grads = [p.grad for p in group["params"]]
+            if any(g is not None and g.is_sparse for g in grads):
                 raise RuntimeError("QHM does not support sparse gradients")
-            for p in params:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             lr, mom, nu, wd = (float(group[k]) for k in ("lr", "momentum", "nu", "weight_decay"))
             flags = str(group["weight_decay_type"]), bool(group["maximize"]), bool(group["foreach"])
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            qhm(params, [p.grad for p in params], bufs, lr, mom, nu, wd, *flags)
+            twin = QHMTwin(group["params"], lr, mom, nu, wd, *flags)
+            twin.state = self.state  # (its momentum buffers persist there)
+            twin.step(grads)
         return loss
