@@ -70,7 +70,7 @@ def clip_grad_norm_(
     check_optimizer(optimizer)
     _check("max_norm", max_norm, is_number(max_norm) and max_norm > 0, "a positive number")
     _check("norm_type", norm_type, is_number(norm_type) and norm_type > 0, "> 0 or float('inf')")
-    results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
+    results = optimizer._stage(context_id, norm_type=float(norm_type))
     norms = [n.float() for _, n in results if n is not None]
     previous = optimizer._coef.get(context_id, 1.0)
     total = torch.linalg.vector_norm(torch.stack(norms), float(norm_type)) * previous
@@ -158,8 +158,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._lock = _local.TimedLock(self.timeout, "the optimizer lock")
         self._me, self._built = get_worker_name(), False
         # Functional owners auto-pick only kernel flags that are unset (None). A flag the user did
-        # not pass is unset whatever the class defaults it to.
-        self._passed = _passed_names(cls, args, kwargs) if functional else None
+        # not pass (they are keyword-only) is unset whatever the class defaults it to.
+        self._passed = set(kwargs) if functional else None
         self._flat = not isinstance(groups[0], Mapping)  # errors then name params_rref[i]
         # torch's constructor sets its attributes and hooks up, and calls add_param_group on each
         # group, which checks it; the groups are sent once all are checked.
@@ -403,20 +403,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # The method form, ``opt.clip_grad_norm_(context_id, max_norm, ...)``: the function itself.
     clip_grad_norm_ = clip_grad_norm_
 
-    def stage_gradients(
+    def _stage(
         self, context_id: int, inv_scale: float | None = None, norm_type: float | None = None
     ) -> list[tuple[bool, Tensor | None]]:
-        """Have every owner scale the gradients the next ``step(context_id)`` applies and keep
-        them for it (the building block of :class:`DistributedGradScaler` and clipping).
-
-        Args:
-            context_id: A distributed-autograd context id created in this process.
-            inv_scale: Factor to unscale the gradients by, or ``None`` to leave them.
-            norm_type: Order of the norm to report, or ``None`` for no norm.
-
-        Returns:
-            Per owner: ``(found inf/NaN, norm or None)``.
-        """
+        """Have every owner unscale (by ``inv_scale``) the gradients the next ``step(context_id)``
+        applies and keep them for it; per owner: ``(found inf/NaN, their norm or None)``."""
         check_context(context_id, "DistributedOptimizer")
         apply = self.next_step_applies
         return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())
@@ -526,16 +517,6 @@ def _param_group(
     return group
 
 
-def _passed_names(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
-    """Names of the constructor arguments the user passed (positionally or by keyword)."""
-    try:
-        bound = inspect.signature(cls).bind_partial(None, *args, **kwargs)
-    except (TypeError, ValueError):
-        return set(kwargs)
-    # Keywords land under **kwargs' own name when the class takes **kwargs: count them too.
-    return set(bound.arguments) | set(kwargs)
-
-
 class DistributedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` (on the CPU) for a :class:`DistributedOptimizer`: ``scale(loss)``,
     backward, ``unscale_`` and :func:`clip_grad_norm_` if clipping, ``step(opt, cid)``,
@@ -609,7 +590,7 @@ class DistributedGradScaler(torch.amp.GradScaler):
             raise RuntimeError(
                 f"unscale_ was already called for context {context_id} since the last step"
             )
-        staged = self._enabled and optimizer.stage_gradients(context_id, 1.0 / self.get_scale())
+        staged = self._enabled and optimizer._stage(context_id, 1.0 / self.get_scale())
         self._unscaled[key] = found = any(f for f, _ in staged or ())
         return found
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import threading
 import warnings
 from typing import Any, ClassVar
 
@@ -171,8 +170,8 @@ FunctionalQHM = _functional(QHM)
 
 # -- which functional optimizer stands in for which torch.optim class --------------------------
 
-_lock = threading.Lock()
-# Each of metadist's functional classes names the class it stands in for.
+# Each of metadist's functional classes names the class it stands in for. Entries are set and read
+# whole, and values() copied before the search: no lock is needed.
 _REGISTRY: dict[type, type] = {c.torch_class: c for c in FunctionalOptimizer.__subclasses__()}
 
 
@@ -215,8 +214,7 @@ def register_functional_optimizer(
             raise TypeError(
                 f"functional_class must define step(gradients); {cls.__name__} does not"
             )
-        with _lock:
-            _REGISTRY[optimizer_class] = cls
+        _REGISTRY[optimizer_class] = cls
         return cls
 
     return register if functional_class is None else register(functional_class)
@@ -235,6 +233,5 @@ def get_functional_optimizer(optimizer_class: type) -> type | None:
         TypeError: If ``optimizer_class`` is not a class.
     """
     _check_class(optimizer_class)
-    with _lock:
-        found = _REGISTRY.get(optimizer_class)
-        return optimizer_class if found is None and optimizer_class in _REGISTRY.values() else found
+    found = _REGISTRY.get(optimizer_class)
+    return optimizer_class if found is None and optimizer_class in [*_REGISTRY.values()] else found
