@@ -10,6 +10,7 @@ import itertools
 import logging
 import threading
 import weakref
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -148,8 +149,8 @@ class Group:
     def set(self, name: str, value: Any) -> None:
         if self.mode == "scripted":
             getattr(self.optim, f"set_{name}")(value)
-        else:
-            setattr(self.optim, name, value)
+        else:  # (torch.optim keeps its state in a defaultdict)
+            setattr(self.optim, name, defaultdict(dict, value) if self.mode == "torch" else value)
 
     def update(self, hparams: dict[str, Any]) -> None:  # torch's param-group names
         if self.mode == "torch":
@@ -306,20 +307,15 @@ class LocalOptimizer:
             self.accum = window if any(a is not None for a in window) else None
             self.staged.clear()
             for index, group in self.groups.items():
-                if group.mode == "torch":
-                    group.optim.state.clear()
-                    group.optim.state.update(new[index])
-                else:
-                    group.set("state", new[index])
+                group.set("state", new[index])
 
     def describe(self) -> tuple[str, str, int]:
         """``(mode, kernel, number of parameters)``; "+" joins the groups' if they differ."""
-        modes = "+".join(dict.fromkeys(g.mode for g in self.groups.values()))
-        return (
-            modes,
-            "+".join(dict.fromkeys(g.kernel for g in self.groups.values())),
-            len(self.params),
+        modes, kernels = (
+            "+".join(dict.fromkeys(getattr(g, a) for g in self.groups.values()))
+            for a in ("mode", "kernel")
         )
+        return modes, kernels, len(self.params)
 
 
 def _copy(value: Any) -> Any:

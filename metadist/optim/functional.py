@@ -1,12 +1,10 @@
-"""Functional optimizers: ``torch.optim``'s algorithms stepped with explicit gradients.
+"""Functional optimizers: ``torch.optim``'s algorithms stepped with explicit gradients, one
+per parameter (``None`` leaves a parameter and its state alone), never through ``.grad``.
 
 Each class takes ``(params, <its torch.optim class's hyperparameters>)``, checked by that class's
-own constructor, and steps with torch's functional optimizer for it (``torch.distributed.optim``'s,
-which torch's ``DistributedOptimizer`` runs; :class:`QHM`'s is metadist's), held in ``optim``.
-``step(gradients)`` takes one gradient per parameter (``None`` leaves that parameter and its state
-alone); results and ``state`` match ``torch.optim``. Float hyperparameters live in ``defaults``
-(tuples split: ``betas`` -> ``beta1``/``beta2``, see :data:`TUPLE_KEYS`). Nothing touches
-``.grad``: several threads can step the same parameters with different gradients.
+constructor, and steps torch's functional optimizer for it (``torch.distributed.optim``'s; QHM's
+is :class:`QHMTwin`): ``state`` as in ``torch.optim``, float hyperparameters in ``defaults``
+(tuples split: ``betas`` -> ``beta1``/``beta2``, see :data:`TUPLE_KEYS`).
 
 Example:
     >>> import torch
@@ -65,10 +63,9 @@ class FunctionalOptimizer:
     def __post_init__(self) -> None:
         hyper = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         del hyper["params"]
-        # torch.optim's own checks (and messages), on a one-element probe.
-        self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)
+        self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)  # torch.optim's checks
         # torch scripts its twins when torch.distributed.optim is imported (about a second, once
-        # per process): imported here, on first use. Adam's decoupled_weight_decay is AdamW.
+        # per process): imported on first use. Adam's decoupled_weight_decay is AdamW.
         from torch.distributed.optim.utils import functional_optim_map
 
         twins = {**functional_optim_map, QHM: QHMTwin}
@@ -76,8 +73,8 @@ class FunctionalOptimizer:
         accepted = inspect.signature(twin).parameters
         given = {**hyper, "_allow_empty_param_list": True}
         kwargs = {k: False if v is None else v for k, v in given.items() if k in accepted}
-        # torch's twins warn at every construction that TorchScript is deprecated; no filter
-        # stops that warning (it is raised under "always"), so it is recorded and dropped.
+        # The twins warn at construction that TorchScript is deprecated, under "always": only
+        # recording the warning drops it.
         with warnings.catch_warnings(record=True):
             self.optim = twin(self.params, **kwargs)
         # Floats only (an int lr too): TorchScript types the dict by its values.

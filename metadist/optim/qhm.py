@@ -1,7 +1,7 @@
-# qhm() is compiled by TorchScript (no `not in {...}`); signatures mirror qhoptim positionally.
+# qhm() and QHMTwin are compiled by TorchScript (no `not in {...}`); qhm mirrors qhoptim.
 # ruff: noqa: PLR1714, PLR0917
-"""Quasi-hyperbolic momentum (QHM, Ma & Yarats 2019): the rule of facebookresearch/qhoptim,
-averaging a plain SGD step and a momentum step, and a ``torch.optim.Optimizer`` for it::
+"""Quasi-hyperbolic momentum (QHM, Ma & Yarats 2019, as facebookresearch/qhoptim), averaging a
+plain SGD step and a momentum step, and a ``torch.optim.Optimizer`` for it::
 
     g   = grad (+ weight_decay * p when weight_decay_type == "grad")
     p   = p * (1 - lr * weight_decay)             when weight_decay_type == "direct"
@@ -38,12 +38,12 @@ def qhm(
         params: Parameters to update in place.
         grads: Their gradients (never modified).
         momentum_buffers: Their momentum buffers (start at zero), updated in place.
-        lr: Learning rate.
-        momentum: Momentum factor in ``[0, 1)``.
-        nu: Immediate discount factor: ``1`` is dampened momentum, ``0`` plain SGD.
-        weight_decay: Weight-decay factor.
-        weight_decay_type: ``"grad"`` or ``"direct"`` (see the rule above).
-        maximize: Ascend instead of descend.
+        lr: As in :class:`QHM`.
+        momentum: As in :class:`QHM`.
+        nu: As in :class:`QHM`.
+        weight_decay: As in :class:`QHM`.
+        weight_decay_type: As in :class:`QHM`.
+        maximize: As in :class:`QHM`.
         foreach: Use torch's multi-tensor kernels (not under TorchScript).
 
     Raises:
