@@ -44,7 +44,7 @@ def qhm(
         weight_decay: As in :class:`QHM`.
         weight_decay_type: As in :class:`QHM`.
         maximize: As in :class:`QHM`.
-        foreach: Use torch's multi-tensor kernels (not under TorchScript).
+        foreach: Use torch's multi-tensor kernels.
 
     Raises:
         ValueError: If ``weight_decay_type`` is neither ``"grad"`` nor ``"direct"``.
@@ -55,33 +55,21 @@ def qhm(
         )
     if len(params) == 0:
         return
-    if foreach and not torch.jit.is_scripting():  # type: ignore[attr-defined]
-        # torch.optim's own multi-tensor kernels (no public alias).
-        gs = torch._foreach_neg(grads) if maximize else grads
+    # With foreach, one multi-tensor call per operation; else the same calls tensor by tensor.
+    chunks = [(params, grads, momentum_buffers)]
+    if not foreach:
+        chunks = [([params[i]], [grads[i]], [momentum_buffers[i]]) for i in range(len(params))]
+    for ps, raw, bufs in chunks:
+        gs = torch._foreach_neg(raw) if maximize else raw
         if weight_decay != 0.0:
             if weight_decay_type == "grad":
-                gs = torch._foreach_add(gs, params, alpha=weight_decay)
+                gs = torch._foreach_add(gs, ps, alpha=weight_decay)
             else:
-                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-        torch._foreach_mul_(momentum_buffers, momentum)
-        torch._foreach_add_(momentum_buffers, gs, alpha=1.0 - momentum)
-        torch._foreach_add_(params, momentum_buffers, alpha=-lr * nu)
-        torch._foreach_add_(params, gs, alpha=-lr * (1.0 - nu))
-        return
-    for i in range(len(params)):
-        p = params[i]
-        g = grads[i]
-        if maximize:
-            g = -g
-        if weight_decay != 0.0:
-            if weight_decay_type == "grad":
-                g = g.add(p, alpha=weight_decay)
-            else:
-                p.mul_(1.0 - lr * weight_decay)
-        buf = momentum_buffers[i]
-        buf.mul_(momentum).add_(g, alpha=1.0 - momentum)
-        p.add_(buf, alpha=-lr * nu)
-        p.add_(g, alpha=-lr * (1.0 - nu))
+                torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, gs, alpha=1.0 - momentum)
+        torch._foreach_add_(ps, bufs, alpha=-lr * nu)
+        torch._foreach_add_(ps, gs, alpha=-lr * (1.0 - nu))
 
 
 class QHMTwin:
