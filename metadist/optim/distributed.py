@@ -139,12 +139,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _check("timeout", timeout, ok, "a positive number of seconds or None")
         timeout = rpc.get_rpc_timeout() if timeout is None else timeout  # type: ignore[attr-defined]
         self._modes = _resolve_modes(mode, get_worker_names())
-        scripted = functional and "scripted" in self._modes.values()
-        if scripted and not (status := torchscript_status(functional))[0]:
-            raise RuntimeError(
-                f"mode='scripted' needs TorchScript: {status[1]}. Use mode='eager' (or "
-                "'auto'), which steps the same functional optimizer without compiling it"
-            )
+        if "scripted" in self._modes.values():
+            no_twin = f"{cls.__name__} has no functional twin (see register_functional_optimizer)"
+            works, why = torchscript_status(functional) if functional else (False, no_twin)
+            if not works:
+                raise RuntimeError(f"mode='scripted': {why}")
         self.optimizer_class, self._functional, self.timeout = cls, functional, float(timeout)
         self.backward_passes_per_step, self.average_accumulated = n, average_accumulated
         self._spec = _local.Spec(cls, functional, "", n, average_accumulated, self.timeout)
@@ -466,8 +465,7 @@ def _floats(group: Mapping[str, Any]) -> dict[str, Any]:
 
 def check_optimizer(optimizer: Any) -> None:
     """Raise ``TypeError`` unless ``optimizer`` is a :class:`DistributedOptimizer`."""
-    ok = isinstance(optimizer, DistributedOptimizer)
-    expected = "a metadist DistributedOptimizer"
+    ok, expected = isinstance(optimizer, DistributedOptimizer), "a metadist DistributedOptimizer"
     _check("optimizer", type(optimizer).__name__, ok, expected, TypeError)
 
 

@@ -61,8 +61,7 @@ class FunctionalOptimizer:
     params: list[Tensor]
 
     def __post_init__(self) -> None:
-        hyper = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del hyper["params"]
+        hyper = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}  # not params
         self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)  # torch.optim's checks
         # torch scripts its twins when torch.distributed.optim is imported (about a second, once
         # per process): imported on first use. Adam's decoupled_weight_decay is AdamW.
@@ -107,11 +106,8 @@ class FunctionalOptimizer:
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
         """
-        if len(gradients) != len(self.params):
-            raise ValueError(
-                f"gradients has {len(gradients)} entries, expected one per parameter "
-                f"({len(self.params)})"
-            )
+        if (n := len(gradients)) != len(self.params):
+            raise ValueError(f"gradients has {n} entries, one per parameter: {len(self.params)}")
         # torch's Adagrad twin hands its kernel every parameter, with a gradient or not: every
         # twin gets only the parameters that have one.
         kept = [i for i, g in enumerate(gradients) if g is not None]
@@ -172,9 +168,9 @@ FunctionalQHM = _functional(QHM)
 _REGISTRY: dict[type, type] = {c.torch_class: c for c in FunctionalOptimizer.__subclasses__()}
 
 
-def _check_class(optimizer_class: Any) -> None:
-    if not isinstance(optimizer_class, type):
-        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+def _check_class(value: Any, name: str = "optimizer_class") -> None:
+    if not isinstance(value, type):
+        raise TypeError(f"{name} must be a class, got {value!r}")
 
 
 def register_functional_optimizer(
@@ -198,8 +194,7 @@ def register_functional_optimizer(
     _check_class(optimizer_class)
 
     def register(cls: Any) -> Any:
-        if not isinstance(cls, type):
-            raise TypeError(f"functional_class must be a class, got {cls!r}")
+        _check_class(cls, "functional_class")
         # Caught here, not on the owners at the first step, where the error would be obscure.
         if issubclass(cls, torch.optim.Optimizer):
             raise TypeError(

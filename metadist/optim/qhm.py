@@ -146,18 +146,16 @@ class QHM(torch.optim.Optimizer):
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr!r}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        if not isinstance(nu, int | float):
-            raise ValueError(f"nu must be a float, got {nu!r}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        if weight_decay_type not in ("grad", "direct"):
-            raise ValueError(
-                f"weight_decay_type must be 'grad' or 'direct', got {weight_decay_type!r}"
-            )
+        wdt = weight_decay_type
+        for name, value, ok, expected in (
+            ("lr", lr, lr >= 0.0, ">= 0"),
+            ("momentum", momentum, 0.0 <= momentum < 1.0, "in [0, 1)"),
+            ("nu", nu, isinstance(nu, int | float), "a float"),
+            ("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0"),
+            ("weight_decay_type", wdt, wdt in ("grad", "direct"), "'grad' or 'direct'"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {expected}, got {value!r}")
         names = ("lr", "momentum", "nu", "weight_decay", "weight_decay_type", "maximize", "foreach")
         values = (lr, momentum, nu, weight_decay, weight_decay_type, maximize, foreach)
         super().__init__(params, dict(zip(names, values, strict=True)))

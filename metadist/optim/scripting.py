@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 from typing import Any
 
 import torch
@@ -18,41 +17,14 @@ __all__ = ["ScriptedFunctionalOptimizer", "script_functional_optimizer", "torchs
 
 # torch's compiler is not thread-safe.
 _compile_lock = threading.Lock()
-FIX = "Step it eagerly instead (its step(), or DistributedOptimizer(..., mode='eager' or 'auto'))"
 # Classes torch failed to compile, and why: it cannot compile a class again after a failure.
 _failed: dict[type, str] = {}
-
-
-def _script(optim: Any) -> Any:
-    """The scripted :class:`ScriptedFunctionalOptimizer` of ``optim`` (for one of metadist's
-    classes: of the torch twin it steps); ``RuntimeError(why not)``."""
-    cls: Any = type(optim)
-    held = optim.optim if isinstance(optim, FunctionalOptimizer) else optim
-    problem = _failed.get(cls)
-    if problem is None and not callable(getattr(torch.jit, "script", None)):
-        problem = f"torch {torch.__version__} has no torch.jit.script"
-    if problem is None:
-        # One module class per held class: a failed compile leaves the others alone.
-        module = type(f"Scripted{type(held).__name__}", (ScriptedFunctionalOptimizer,), {})
-        try:
-            with _compile_lock, quiet_torch_warnings():
-                return torch.jit.script(module(held))
-        except Exception as exc:
-            # TorchScript's first line says what failed; a later one names the function.
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or ["?"]
-            where = next((line for line in lines if "is being compiled" in line), "")
-            problem = _failed[cls] = (
-                f"TorchScript in torch {torch.__version__} cannot compile {cls.__name__} "
-                f"({type(exc).__name__}: {lines[0]}{' ' + where if where else ''})"
-            )
-    raise RuntimeError(problem)
 
 
 @functools.cache
 def torchscript_status(functional_class: Any = FunctionalSGD) -> tuple[bool, str | None]:
     """Whether :func:`script_functional_optimizer` compiles instances of ``functional_class`` here
-    (tried once per process and class on a one-element instance), and why ``"auto"`` should not
-    pick it (deprecated, say).
+    (tried once per process and class on a one-element instance).
 
     Args:
         functional_class: One of metadist's functional classes. For any other class this says
@@ -60,20 +32,15 @@ def torchscript_status(functional_class: Any = FunctionalSGD) -> tuple[bool, str
             itself compiles shows when an instance is scripted.
 
     Returns:
-        ``(works, problem)``: ``problem`` is ``None`` or a sentence naming the torch version.
+        ``(works, problem)``: ``problem`` is ``None`` or why not, naming the torch version.
     """
     if not issubclass(functional_class, FunctionalOptimizer):
         functional_class = FunctionalSGD
     needed = {"lr": 0.1, "momentum": 0.5, "nu": 0.5} if functional_class is FunctionalQHM else {}
     try:
-        _script(functional_class([torch.zeros(1)], **needed))
+        script_functional_optimizer(functional_class([torch.zeros(1)], **needed))
     except RuntimeError as exc:
         return False, str(exc)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.jit.script(_probe)  # for the notice torch gives at every call
-    if any("deprecated" in str(w.message) for w in caught):
-        return True, f"torch {torch.__version__} deprecates TorchScript"
     return True, None
 
 
@@ -81,10 +48,6 @@ def forget() -> None:
     """Forget what :func:`torchscript_status` found (for tests that change ``torch.jit``)."""
     torchscript_status.cache_clear()
     _failed.clear()
-
-
-def _probe(x: Tensor) -> Tensor:
-    return x
 
 
 class ScriptedFunctionalOptimizer(torch.nn.Module):
@@ -196,7 +159,26 @@ def script_functional_optimizer(optim: Any) -> Any:
                 f"optim was built with {flag}=True, which TorchScript cannot run; build it with "
                 f"{flag}=False to script it"
             )
-    try:
-        return _script(optim)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot script {type(optim).__name__}: {exc}. {FIX}") from None
+    cls: Any = type(optim)
+    held = optim.optim if isinstance(optim, FunctionalOptimizer) else optim  # torch's, for ours
+    problem = _failed.get(cls)
+    if problem is None and not callable(getattr(torch.jit, "script", None)):
+        problem = f"torch {torch.__version__} has no torch.jit.script"
+    if problem is None:
+        # One module class per held class: a failed compile leaves the others alone.
+        module = type(f"Scripted{type(held).__name__}", (ScriptedFunctionalOptimizer,), {})
+        try:
+            with _compile_lock, quiet_torch_warnings():
+                return torch.jit.script(module(held))
+        except Exception as exc:
+            # TorchScript's first line says what failed; a later one names the function.
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or ["?"]
+            where = next((line for line in lines if "is being compiled" in line), "")
+            problem = _failed[cls] = (
+                f"TorchScript in torch {torch.__version__} cannot compile {cls.__name__} "
+                f"({type(exc).__name__}: {lines[0]}{' ' + where if where else ''})"
+            )
+    raise RuntimeError(
+        f"cannot script {cls.__name__}: {problem}. Step it eagerly instead (its step(), or "
+        "DistributedOptimizer(..., mode='eager' or 'auto'))"
+    )
