@@ -82,6 +82,12 @@ ROWS = [
         r"mode.*'ghost'",
     ),
     Row(
+        "mode scripted without a twin",
+        lambda fx: _opt(fx, fx.rrefs, cls=torch.optim.NAdam, mode={"worker1": "scripted"}),
+        RuntimeError,
+        r"mode='scripted': NAdam has no functional twin",
+    ),
+    Row(
         "backward_passes_per_step 0",
         lambda fx: _opt(fx, fx.rrefs, backward_passes_per_step=0),
         ValueError,

@@ -3,13 +3,13 @@ owner), one optimizer per param group in it, reached by :func:`call`."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import functools
 import inspect
 import itertools
-import logging
 import threading
 import weakref
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -18,12 +18,10 @@ from torch import Tensor
 
 from metadist.autograd import gradients_here
 from metadist.optim.functional import flat_hparams
-from metadist.optim.scripting import script_functional_optimizer, torchscript_status
+from metadist.optim.scripting import script_functional_optimizer
 from metadist.world import use_process_threads
 
 __all__: list[str] = []
-
-logger = logging.getLogger("metadist")
 
 MODES = ("auto", "eager", "scripted")
 # Below this mean element count per parameter, torch's multi-tensor kernels beat a per-tensor loop
@@ -89,12 +87,6 @@ def eager_kernel(
     return "single-tensor"
 
 
-@functools.cache
-def _log_eager_fallback(name: str, problem: str) -> None:
-    # Once per process and class: every owner would otherwise repeat it on every construction.
-    logger.warning("metadist: %s; mode='auto' steps %s eagerly", problem, name)
-
-
 class Group:
     """One param group's share of an owner's parameters (``params[start:stop]``), stepped by its
     own optimizer with the group's hyperparameters."""
@@ -103,48 +95,26 @@ class Group:
         self.start, self.stop = start, start + len(params)
         self.optim: Any  # a functional optimizer, its scripted module, or a torch.optim.Optimizer
         cls = spec.functional_class
-        if cls is None:
-            if spec.mode == "scripted":
-                raise ValueError(
-                    f"mode='scripted' needs a functional optimizer registered for "
-                    f"{spec.optimizer_class.__name__} (see register_functional_optimizer)"
-                )
+        if cls is None:  # (the caller refused mode="scripted" for it)
             self.mode, self.kernel = "torch", "torch.optim"
             ctor = constructor_kwargs(spec.optimizer_class, hparams)
             self.optim = spec.optimizer_class([{**hparams, "params": params}], **ctor)
             return
         accepted = set(inspect.signature(cls).parameters)
         kwargs = {k: v for k, v in hparams.items() if k in accepted and k != "params"}
-        foreach: bool | None = kwargs.pop("foreach", None)
-        fused: bool | None = kwargs.pop("fused", None)
-        if foreach and fused:
-            raise ValueError("fused=True and foreach=True cannot be used together; pick one")
-        mode = spec.mode
-        if mode == "auto":
-            mode = "eager" if "foreach" in accepted or "fused" in accepted else "scripted"
-            problem = torchscript_status(cls)[1] if mode == "scripted" else None
-            if problem is not None:
-                _log_eager_fallback(cls.__name__, problem)
-                mode = "eager"
+        foreach, fused = kwargs.pop("foreach", None), kwargs.pop("fused", None)
+        # "auto" is eager: every torch metadist supports deprecates TorchScript.
+        mode = "eager" if spec.mode == "auto" else spec.mode
         if mode == "scripted" and (foreach or fused):
-            raise ValueError(
-                "foreach=True / fused=True cannot run under TorchScript; use mode='eager' "
-                "for these owners or leave foreach/fused unset"
-            )
+            raise ValueError("foreach=True / fused=True cannot run under TorchScript; use 'eager'")
         self.mode, self.kernel = mode, "single-tensor"
-        if mode == "eager":
+        if mode == "eager":  # (the caller refused foreach=True with fused=True)
             self.kernel = eager_kernel(accepted, params, foreach, fused)
             if self.kernel != "single-tensor":
                 kwargs[self.kernel] = True
-        self.optim = functional = cls(params, **kwargs)
+        self.optim = cls(params, **kwargs)
         if mode == "scripted":
-            try:
-                self.optim = script_functional_optimizer(functional)
-            except RuntimeError as exc:
-                if spec.mode != "auto":
-                    raise
-                _log_eager_fallback(cls.__name__, str(exc))  # its own class failed
-                self.mode = "eager"
+            self.optim = script_functional_optimizer(self.optim)
 
     def get(self, name: str) -> Any:  # ``state`` or ``defaults`` (scripted: by method)
         if self.mode == "scripted":
@@ -154,8 +124,8 @@ class Group:
     def set(self, name: str, value: Any) -> None:
         if self.mode == "scripted":
             getattr(self.optim, f"set_{name}")(value)
-        else:
-            setattr(self.optim, name, value)
+        else:  # (torch.optim keeps its state in a defaultdict)
+            setattr(self.optim, name, defaultdict(dict, value) if self.mode == "torch" else value)
 
     def update(self, hparams: dict[str, Any]) -> None:  # torch's param-group names
         if self.mode == "torch":
@@ -173,8 +143,7 @@ class Group:
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         try:
-            with torch.no_grad():
-                self.optim.step()
+            self.optim.step()  # (torch.optim steps under no_grad)
         finally:
             for p in params:
                 p.grad = None
@@ -194,12 +163,9 @@ class LocalOptimizer:
     def add(self, index: int, param_rrefs: list[rpc.RRef[Tensor]], hparams: dict[str, Any]) -> None:
         """Add this owner's share of param group ``index``."""
         here, params = rpc.get_worker_info().name, [r.local_value() for r in param_rrefs]
-        for i, value in enumerate(params):
-            if not isinstance(value, Tensor):
-                raise TypeError(
-                    f"parameter RRef {i} on {here} holds a {type(value).__name__}, expected a "
-                    "torch.Tensor"
-                )
+        if bad := [i for i, value in enumerate(params) if not isinstance(value, Tensor)]:
+            kind = type(params[bad[0]]).__name__
+            raise TypeError(f"parameter RRef {bad[0]} on {here} holds a {kind}, not a torch.Tensor")
         if len({id(p) for p in [*self.params, *params]}) < len(self.params) + len(params):
             raise ValueError(f"the same tensor is listed twice on {here}; pass each once")
         with self.lock:
@@ -283,11 +249,8 @@ class LocalOptimizer:
         """Copies of the state (per parameter) and of the window."""
         with self.lock:
             by_id = {id(p): s for g in self.groups.values() for p, s in g.get("state").items()}
-            states = [
-                {k: _copy(v) for k, v in s.items()} if (s := by_id.get(id(p))) else None
-                for p in self.params
-            ]
-            return states, None if self.accum is None else [_copy(a) for a in self.accum]
+            states = [copy.deepcopy(s) if (s := by_id.get(id(p))) else None for p in self.params]
+            return states, copy.deepcopy(self.accum)
 
     def load_state(
         self, states: list[dict[str, Any] | None], accum: list[Tensor | None] | None
@@ -312,24 +275,15 @@ class LocalOptimizer:
             self.accum = window if any(a is not None for a in window) else None
             self.staged.clear()
             for index, group in self.groups.items():
-                if group.mode == "torch":
-                    group.optim.state.clear()
-                    group.optim.state.update(new[index])
-                else:
-                    group.set("state", new[index])
+                group.set("state", new[index])
 
     def describe(self) -> tuple[str, str, int]:
         """``(mode, kernel, number of parameters)``; "+" joins the groups' if they differ."""
-        modes = "+".join(dict.fromkeys(g.mode for g in self.groups.values()))
-        return (
-            modes,
-            "+".join(dict.fromkeys(g.kernel for g in self.groups.values())),
-            len(self.params),
+        modes, kernels = (
+            "+".join(dict.fromkeys(getattr(g, a) for g in self.groups.values()))
+            for a in ("mode", "kernel")
         )
-
-
-def _copy(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, Tensor) else value
+        return modes, kernels, len(self.params)
 
 
 def _as_state(value: Any, param: Tensor, tensors_only: bool) -> Any:

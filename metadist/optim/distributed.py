@@ -70,7 +70,7 @@ def clip_grad_norm_(
     check_optimizer(optimizer)
     _check("max_norm", max_norm, is_number(max_norm) and max_norm > 0, "a positive number")
     _check("norm_type", norm_type, is_number(norm_type) and norm_type > 0, "> 0 or float('inf')")
-    results = optimizer.stage_gradients(context_id, norm_type=float(norm_type))
+    results = optimizer._stage(context_id, norm_type=float(norm_type))
     norms = [n.float() for _, n in results if n is not None]
     previous = optimizer._coef.get(context_id, 1.0)
     total = torch.linalg.vector_norm(torch.stack(norms), float(norm_type)) * previous
@@ -123,14 +123,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         require_rpc("DistributedOptimizer")
         cls, functional = optimizer_class, get_functional_optimizer(optimizer_class)
+        ok = functional or issubclass(cls, torch.optim.Optimizer)
         expected = "a torch.optim.Optimizer subclass or a registered functional optimizer class"
-        _check(
-            "optimizer_class",
-            cls,
-            functional or issubclass(cls, torch.optim.Optimizer),
-            expected,
-            TypeError,
-        )
+        _check("optimizer_class", cls, ok, expected, TypeError)
         kinds = (Tensor, Mapping, *_RREF_TYPES)
         ok = isinstance(params_rref, Iterable) and not isinstance(params_rref, kinds)
         _check("params_rref", params_rref, ok, "a list of RRefs or dicts", TypeError)
@@ -144,12 +139,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _check("timeout", timeout, ok, "a positive number of seconds or None")
         timeout = rpc.get_rpc_timeout() if timeout is None else timeout  # type: ignore[attr-defined]
         self._modes = _resolve_modes(mode, get_worker_names())
-        scripted = functional and "scripted" in self._modes.values()
-        if scripted and not (status := torchscript_status(functional))[0]:
-            raise RuntimeError(
-                f"mode='scripted' needs TorchScript: {status[1]}. Use mode='eager' (or "
-                "'auto'), which steps the same functional optimizer without compiling it"
-            )
+        if "scripted" in self._modes.values():
+            no_twin = f"{cls.__name__} has no functional twin (see register_functional_optimizer)"
+            works, why = torchscript_status(functional) if functional else (False, no_twin)
+            if not works:
+                raise RuntimeError(f"mode='scripted': {why}")
         self.optimizer_class, self._functional, self.timeout = cls, functional, float(timeout)
         self.backward_passes_per_step, self.average_accumulated = n, average_accumulated
         self._spec = _local.Spec(cls, functional, "", n, average_accumulated, self.timeout)
@@ -159,12 +153,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._rrefs: dict[str, Any] = {}  # keep the owners' optimizers alive
         self._owner_groups: list[dict[str, Any]] = []  # each group's values, as owners get them
         self._passes, self._coef = 0, dict[int, float]()
-        self._sent_hparams: list[dict[str, Any]] | None = None
+        self._sent_hparams: list[dict[str, Any]] = []
         self._lock = _local.TimedLock(self.timeout, "the optimizer lock")
         self._me, self._built = get_worker_name(), False
         # Functional owners auto-pick only kernel flags that are unset (None). A flag the user did
-        # not pass is unset whatever the class defaults it to.
-        self._passed = _passed_names(cls, args, kwargs) if functional else None
+        # not pass (they are keyword-only) is unset whatever the class defaults it to.
+        self._passed = set(kwargs) if functional else None
         self._flat = not isinstance(groups[0], Mapping)  # errors then name params_rref[i]
         # torch's constructor sets its attributes and hooks up, and calls add_param_group on each
         # group, which checks it; the groups are sent once all are checked.
@@ -251,21 +245,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for rref in self.param_groups[index]["params"]:
             shares.setdefault(rref.owner().name, []).append(rref)
         spec, group = self._spec, self._owner_groups[index]
+        specs = {o: dataclasses.replace(spec, mode=m) for o, m in self._modes.items()}
         replies = self._fan_out(
-            _local.add,
-            lambda o: (
-                self._keys.get(o),
-                dataclasses.replace(spec, mode=self._modes[o]),
-                index,
-                shares[o],
-                group,
-            ),
-            shares,
+            _local.add, lambda o: (self._keys.get(o), specs[o], index, shares[o], group), shares
         )
         for owner, (rref, key) in replies.items():
             self._rrefs.setdefault(owner, rref)
             self._keys[owner] = key
-        self._sent_hparams = None  # every group's values go with the next step
+        self._sent_hparams = []  # every group's values go with the next step
 
     @property
     def next_step_applies(self) -> bool:
@@ -293,7 +280,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             RuntimeError: If a request failed or timed out (with the owner's error).
         """
         check_context(context_id, "DistributedOptimizer")
-        hparams = self._hparams()
+        hparams = [_floats(group) for group in self.param_groups]
         with self._lock:
             self._passes += 1
             apply = self._passes >= self.backward_passes_per_step
@@ -301,14 +288,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if apply:
                 self._passes = 0
                 self._coef.clear()
-            # Owners get a group's hyperparameters again only when they changed.
-            sent: list[dict[str, Any]] = self._sent_hparams or []
+            sent = self._sent_hparams
             changed = {i: h for i, h in enumerate(hparams) if i >= len(sent) or h != sent[i]}
             self._sent_hparams = hparams
         try:
             self._call_owners("step", context_id, apply, coef, changed or None)
         except BaseException:
-            self._sent_hparams = None  # some owner may have missed them: send on the next step
+            self._sent_hparams = []  # some owner may have missed them: send on the next step
             raise
 
     def skip(self, context_id: int) -> None:
@@ -340,12 +326,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         window: dict[int, Tensor] = {}
         for owner, indices in self._owner_indices.items():
             states, accum = per_owner[owner]
-            state.update((i, s) for i, s in zip(indices, states, strict=True) if s is not None)
-            window.update(
-                (i, a)
-                for i, a in zip(indices, accum or [None] * len(indices), strict=True)
-                if a is not None
-            )
+            for i, s, a in zip(indices, states, accum or [None] * len(indices), strict=True):
+                if s is not None:
+                    state[i] = s
+                if a is not None:
+                    window[i] = a
         groups, start = [], 0
         for group in self.param_groups:
             groups.append({**group, "params": list(range(start, start + len(group["params"])))})
@@ -397,12 +382,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             and all(k in order and isinstance(g, Tensor) for k, g in grads.items())
         )
         expected = "{'passes': k, 'gradients': {index: tensor}} with 0 < k < "
-        _check(
-            f"state_dict['{_WINDOW}']",
-            window,
-            ok,
-            f"{expected}backward_passes_per_step ({self.backward_passes_per_step})",
-        )
+        expected += f"backward_passes_per_step ({self.backward_passes_per_step})"
+        _check(f"state_dict['{_WINDOW}']", window, ok, expected)
         states = {order[k]: v for k, v in given.items()}
         accum = {order[k]: g for k, g in grads.items()} if window else None
         chunks = {
@@ -413,7 +394,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._call_owners("load_state", per_owner=chunks)
             for group, saved in zip(self.param_groups, groups, strict=True):
                 group.update({k: v for k, v in saved.items() if k != "params"})
-            self._passes, self._sent_hparams = passes, None  # owners get the loaded values
+            self._passes, self._sent_hparams = passes, []  # owners get the loaded values
             self._coef.clear()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -421,37 +402,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # The method form, ``opt.clip_grad_norm_(context_id, max_norm, ...)``: the function itself.
     clip_grad_norm_ = clip_grad_norm_
 
-    def stage_gradients(
+    def _stage(
         self, context_id: int, inv_scale: float | None = None, norm_type: float | None = None
     ) -> list[tuple[bool, Tensor | None]]:
-        """Have every owner scale the gradients the next ``step(context_id)`` applies and keep
-        them for it (the building block of :class:`DistributedGradScaler` and clipping).
-
-        Args:
-            context_id: A distributed-autograd context id created in this process.
-            inv_scale: Factor to unscale the gradients by, or ``None`` to leave them.
-            norm_type: Order of the norm to report, or ``None`` for no norm.
-
-        Returns:
-            Per owner: ``(found inf/NaN, norm or None)``.
-        """
+        """Have every owner unscale (by ``inv_scale``) the gradients the next ``step(context_id)``
+        applies and keep them for it; per owner: ``(found inf/NaN, their norm or None)``."""
         check_context(context_id, "DistributedOptimizer")
         apply = self.next_step_applies
         return list(self._call_owners("stage", context_id, apply, inv_scale, norm_type).values())
-
-    def _hparams(self) -> list[dict[str, Any]]:
-        """Each group's float hyperparameters, the ones owners follow step by step."""
-        out: list[dict[str, Any]] = []
-        for group in self.param_groups:
-            out.append({})
-            for key, value in group.items():
-                if key in TUPLE_KEYS and isinstance(value, tuple):
-                    out[-1][key] = tuple(float(v) for v in value)
-                elif key not in ("params", "initial_lr") and (
-                    is_number(value) or (isinstance(value, Tensor) and value.numel() == 1)
-                ):
-                    out[-1][key] = float(value)
-        return out
 
     def _fan_out(self, fn: Callable[..., Any], args: Callable[[str], Any], owners: Any) -> Any:
         """``fn(*args(owner))`` for each of ``owners``: by RPC, concurrently with this process's
@@ -491,10 +449,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
 
 
+def _floats(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's float hyperparameters (tuples of them for :data:`TUPLE_KEYS`), the ones owners
+    follow step by step, sent again only when they changed."""
+    out: dict[str, Any] = {}
+    for key, value in group.items():
+        if key in TUPLE_KEYS and isinstance(value, tuple):
+            out[key] = tuple(float(v) for v in value)
+        elif key not in ("params", "initial_lr") and (
+            is_number(value) or (isinstance(value, Tensor) and value.numel() == 1)
+        ):
+            out[key] = float(value)
+    return out
+
+
 def check_optimizer(optimizer: Any) -> None:
     """Raise ``TypeError`` unless ``optimizer`` is a :class:`DistributedOptimizer`."""
-    ok = isinstance(optimizer, DistributedOptimizer)
-    expected = "a metadist DistributedOptimizer"
+    ok, expected = isinstance(optimizer, DistributedOptimizer), "a metadist DistributedOptimizer"
     _check("optimizer", type(optimizer).__name__, ok, expected, TypeError)
 
 
@@ -544,30 +515,10 @@ def _param_group(
     return group
 
 
-def _passed_names(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
-    """Names of the constructor arguments the user passed (positionally or by keyword)."""
-    try:
-        bound = inspect.signature(cls).bind_partial(None, *args, **kwargs)
-    except (TypeError, ValueError):
-        return set(kwargs)
-    # Keywords land under **kwargs' own name when the class takes **kwargs: count them too.
-    return set(bound.arguments) | set(kwargs)
-
-
-# state_dict key (torch.amp.GradScaler's) -> attribute and type.
-_SCALER_STATE: dict[str, tuple[str, type]] = {
-    "scale": ("_scale", float),
-    "growth_factor": ("growth_factor", float),
-    "backoff_factor": ("backoff_factor", float),
-    "growth_interval": ("growth_interval", int),
-    "_growth_tracker": ("_growth_tracker", int),
-}
-
-
-class DistributedGradScaler:
-    """``torch.amp.GradScaler`` for a :class:`DistributedOptimizer`: ``scale(loss)``, backward,
-    ``unscale_`` and :func:`clip_grad_norm_` if clipping, ``step(opt, cid)``, ``update()`` (after
-    the applying pass of a window). A complete run: ``docs/optim.md``.
+class DistributedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` (on the CPU) for a :class:`DistributedOptimizer`: ``scale(loss)``,
+    backward, ``unscale_`` and :func:`clip_grad_norm_` if clipping, ``step(opt, cid)``,
+    ``update()`` (after the applying pass of a window). A complete run: ``docs/optim.md``.
 
     Args:
         init_scale: Initial scale factor.
@@ -594,27 +545,9 @@ class DistributedGradScaler:
         _check("growth_factor", grow, is_number(grow) and grow > 1.0, "a number > 1")
         _check("backoff_factor", back, is_number(back) and 0 < back < 1.0, "a number in (0, 1)")
         _check("growth_interval", every, is_number(every, int) and every >= 1, "an int >= 1")
-        self._scale, self._enabled = float(init_scale), enabled
-        self.growth_interval = growth_interval
-        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
-        self._growth_tracker, self._found_inf_since_update = 0, False
-        self._unscaled: dict[tuple[int, int], bool] = {}
-
-    def is_enabled(self) -> bool:
-        """Whether scaling is on.
-
-        Returns:
-            The ``enabled`` flag.
-        """
-        return self._enabled
-
-    def get_scale(self) -> float:
-        """The current scale factor.
-
-        Returns:
-            The scale factor (``1.0`` when disabled).
-        """
-        return self._scale if self._enabled else 1.0
+        super().__init__("cpu", float(init_scale), float(grow), float(back), every, enabled)
+        self._unscaled: dict[tuple[int, int], bool] = {}  # (optimizer, context) -> found inf
+        self._found_inf = False
 
     def scale(self, outputs: T) -> T:
         """Multiply a loss (or a list/tuple of them) by the scale factor.
@@ -628,15 +561,13 @@ class DistributedGradScaler:
         Raises:
             TypeError: If ``outputs`` holds something other than tensors.
         """
-        if not self._enabled:
-            return outputs
-        if isinstance(outputs, Tensor):
-            return outputs * torch.tensor(self._scale, dtype=torch.float32, device=outputs.device)  # type: ignore[return-value]
         if isinstance(outputs, list | tuple):
             return type(outputs)(self.scale(o) for o in outputs)
-        raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {outputs!r}")
+        if not isinstance(outputs, Tensor):
+            raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {outputs!r}")
+        return super().scale(outputs)  # type: ignore[return-value]
 
-    def unscale_(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
+    def unscale_(self, optimizer: DistributedOptimizer, context_id: int) -> bool:  # type: ignore[override]
         """Unscale on every owner the gradients ``optimizer.step(context_id)`` applies (before
         :func:`clip_grad_norm_`; once per step).
 
@@ -657,14 +588,11 @@ class DistributedGradScaler:
             raise RuntimeError(
                 f"unscale_ was already called for context {context_id} since the last step"
             )
-        inv_scale = 1.0 / self._scale
-        found = self._enabled and any(
-            f for f, _ in optimizer.stage_gradients(context_id, inv_scale)
-        )
-        self._unscaled[key] = found
+        staged = self._enabled and optimizer._stage(context_id, 1.0 / self.get_scale())
+        self._unscaled[key] = found = any(f for f, _ in staged or ())
         return found
 
-    def step(self, optimizer: DistributedOptimizer, context_id: int) -> bool:
+    def step(self, optimizer: DistributedOptimizer, context_id: int) -> bool:  # type: ignore[override]
         """Step ``optimizer`` unless an owner found an inf/NaN, then all skip (a pass that only
         accumulates just steps: the gradients that get applied are checked).
 
@@ -687,14 +615,15 @@ class DistributedGradScaler:
         if key not in self._unscaled:
             self.unscale_(optimizer, context_id)
         if self._unscaled.pop(key):
-            self._found_inf_since_update = True
+            self._found_inf = True
             optimizer.skip(context_id)
             return False
         optimizer.step(context_id)
         return True
 
-    def update(self, new_scale: float | None = None) -> None:
-        """Back the scale off after an inf/NaN, or grow it after ``growth_interval`` clean steps.
+    def update(self, new_scale: float | None = None) -> None:  # type: ignore[override]
+        """Back the scale off after an inf/NaN, or grow it after ``growth_interval`` clean steps
+        (torch's rule).
 
         Args:
             new_scale: Set this scale instead (resets the growth tracker).
@@ -704,36 +633,15 @@ class DistributedGradScaler:
         """
         if not self._enabled:
             return
-        self._unscaled.clear()
         if new_scale is not None:
             _check("new_scale", new_scale, _positive(new_scale), "a positive finite number")
-            self._scale, self._growth_tracker = float(new_scale), 0
-        elif self._found_inf_since_update:
-            self._scale, self._growth_tracker = self._scale * self.backoff_factor, 0
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker >= self.growth_interval:
-                self._scale, self._growth_tracker = self._scale * self.growth_factor, 0
-        self._found_inf_since_update = False
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state.
-
-        Returns:
-            Its values under ``torch.amp.GradScaler``'s keys.
-        """
-        return {key: getattr(self, attr) for key, (attr, _) in _SCALER_STATE.items()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`.
-
-        Args:
-            state_dict: A dict from :meth:`state_dict`.
-
-        Raises:
-            ValueError: If a key is missing.
-        """
-        if missing := set(_SCALER_STATE) - set(state_dict):
-            raise ValueError(f"state_dict is missing {sorted(missing)}")
-        for key, (attr, kind) in _SCALER_STATE.items():
-            setattr(self, attr, kind(state_dict[key]))
+        if self._scale is None:  # nothing scaled yet
+            self._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        # What torch's update reads: the steps since the last update found an inf or did not.
+        found = torch.tensor(float(self._found_inf))
+        self._per_optimizer_states[0]["found_inf_per_device"] = {"cpu": found}
+        super().update(None if new_scale is None else float(new_scale))
+        if new_scale is not None:
+            self._growth_tracker.zero_()  # type: ignore[union-attr]
+        self._unscaled.clear()
+        self._found_inf = False

@@ -1,14 +1,10 @@
-# collect, active, lazy, keep and wd_type also run under TorchScript: no zip(strict=), no `not in`.
-# ruff: noqa: B905, PLR0917
-"""Functional optimizers: one dataclass of hyperparameters per algorithm, one ``step`` for all.
+"""Functional optimizers: ``torch.optim``'s algorithms stepped with explicit gradients, one
+per parameter (``None`` leaves a parameter and its state alone), never through ``.grad``.
 
 Each class takes ``(params, <its torch.optim class's hyperparameters>)``, checked by that class's
-own constructor. Float hyperparameters live in ``self.defaults`` (tuples split: ``betas`` ->
-``beta1``/``beta2``, see :data:`TUPLE_KEYS`), boolean ones in ``self.flags``, and the state in
-``self.state``, laid out as ``torch.optim`` lays it out. ``step(gradients)`` takes one gradient
-per parameter (``None`` leaves that parameter and its state alone) and runs torch's own functional
-kernel (``torch.optim.adam.adam`` and friends), so results match ``torch.optim``. Nothing touches
-``.grad``: several threads can step the same parameters with different gradients.
+constructor, and steps torch's functional optimizer for it (``torch.distributed.optim``'s; QHM's
+is :class:`QHMTwin`): ``state`` as in ``torch.optim``, float hyperparameters in ``defaults``
+(tuples split: ``betas`` -> ``beta1``/``beta2``, see :data:`TUPLE_KEYS`).
 
 Example:
     >>> import torch
@@ -21,24 +17,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
-import threading
-from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+import warnings
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from torch.optim.adadelta import adadelta
-from torch.optim.adagrad import adagrad
-from torch.optim.adam import adam
-from torch.optim.adamax import adamax
-from torch.optim.adamw import adamw
-from torch.optim.rmsprop import rmsprop
-from torch.optim.rprop import rprop
-from torch.optim.sgd import sgd
 
-from metadist.optim.qhm import QHM, qhm
+from metadist.optim.qhm import QHM, QHMTwin
 
 __all__ = ["FunctionalAdadelta", "FunctionalAdagrad", "FunctionalAdam", "FunctionalAdamW"]
 __all__ += ["FunctionalAdamax", "FunctionalOptimizer", "FunctionalQHM", "FunctionalRMSprop"]
@@ -65,226 +51,51 @@ def flat_hparams(hparams: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def check_count(num_params: int, num_gradients: int) -> None:
-    """Raise ``ValueError`` unless there is one gradient per parameter."""
-    if num_params != num_gradients:
-        raise ValueError(
-            f"gradients has {num_gradients} entries, expected one per parameter ({num_params})"
-        )
-
-
-def active(switches: list[str], d: dict[str, float], f: dict[str, bool]) -> list[bool]:
-    """Which state lists are in use: those with no switch (``""``), or whose switch, a flag or a
-    hyperparameter (``amsgrad``, ``momentum``), is set."""
-    out: list[bool] = []
-    for name in switches:
-        out.append(name == "" or f.get(name, False) or d.get(name, 0.0) != 0.0)
-    return out
-
-
-def collect(
-    params: list[Tensor],
-    gradients: list[Tensor | None],
-    state: dict[Tensor, dict[str, Tensor]],
-    names: list[str],
-    used: list[bool],
-    fills: list[float],
-    fused: bool,
-) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], bool, bool]:
-    """Parameters that have a gradient, their gradients, one list per state name (empty where not
-    ``used``), and whether any parameter is complex or any gradient sparse. State is created at a
-    parameter's first step as torch.optim creates it (``"step"``: a scalar, float32 on the
-    parameter's device for fused kernels, else on the CPU; others: ``fills[i]`` like ``p``)."""
-    check_count(len(params), len(gradients))
-    kept: list[Tensor] = []
-    grads: list[Tensor] = []
-    lists: list[list[Tensor]] = []
-    for _ in names:
-        lists.append(torch.jit.annotate(list[Tensor], []))
-    cplx, sparse = False, False
-    for p, g in zip(params, gradients):
-        if g is not None:
-            kept.append(p)
-            grads.append(g)
-            cplx, sparse = cplx or torch.is_complex(p), sparse or g.is_sparse
-            if p not in state:
-                state[p] = torch.jit.annotate(dict[str, Tensor], {})
-            entry = state[p]
-            for i, name in enumerate(names):
-                if used[i]:
-                    if name not in entry:
-                        if name != "step":
-                            entry[name] = torch.full_like(p, fills[i])
-                        elif fused:
-                            entry[name] = torch.zeros((), dtype=torch.float32, device=p.device)
-                        else:
-                            entry[name] = torch.tensor(0.0)
-                    lists[i].append(entry[name])
-            if len(entry) == 0:  # (SGD without momentum keeps nothing)
-                del state[p]
-    return kept, grads, lists, cplx, sparse
-
-
-def lazy(
-    kept: list[Tensor], state: dict[Tensor, dict[str, Tensor]], name: str
-) -> list[Tensor | None]:
-    """A state list the kernel fills in itself (SGD's momentum buffers): ``None`` where absent."""
-    out: list[Tensor | None] = []
-    for p in kept:
-        out.append(state[p][name] if p in state else None)
-    return out
-
-
-def keep(
-    kept: list[Tensor], bufs: list[Tensor | None], state: dict[Tensor, dict[str, Tensor]], name: str
-) -> None:
-    """Keep the entries of a list the kernel filled in (see :func:`lazy`)."""
-    for p, buf in zip(kept, bufs):
-        if buf is not None:
-            state[p] = {name: buf}
-
-
-def wd_type(f: dict[str, bool]) -> str:
-    """QHM's ``weight_decay_type``, kept as a flag (``self.flags`` holds bools only)."""
-    return "direct" if f.get("direct_weight_decay", False) else "grad"
-
-
-class Plan(NamedTuple):
-    """How to call a functional kernel: its state lists by state name, in order (``lazy``: the one
-    it fills in itself, or ``""``), and the names of its other arguments."""
-
-    kernel: Callable[..., None]
-    names: list[str]
-    lazy: str
-    keywords: list[str]
-
-
-# The kernel of each kind; its signature tells the rest (see :func:`plan`).
-KERNELS: dict[str, Callable[..., None]] = {
-    "sgd": sgd,
-    "adam": adam,
-    "adamw": adamw,
-    "adagrad": adagrad,
-    "rmsprop": rmsprop,
-    "adamax": adamax,
-    "adadelta": adadelta,
-    "rprop": rprop,
-    "qhm": qhm,
-}
-
-
-@functools.cache
-def plan(kind: str) -> Plan:
-    """Read how to call ``kind``'s kernel from its signature: after ``params`` and ``grads`` come
-    its state lists, named after the state torch.optim keeps (``exp_avg_sqs``: ``exp_avg_sq``,
-    ``state_steps``: ``step``, ``momentum_buffer_list``: ``momentum_buffer``)."""
-    kernel = KERNELS[kind]
-    names, lazy_name, keywords = [], "", []
-    for param in list(inspect.signature(kernel).parameters.values())[2:]:
-        annotation = str(param.annotation)
-        if not annotation.startswith(("list[", "List[")):
-            keywords.append(param.name)
-            continue
-        name = param.name.removeprefix("state_")
-        names.append(name.removesuffix("_list") if name.endswith("_list") else name[:-1])
-        if "None" in annotation or "Optional" in annotation:
-            lazy_name = names[-1]
-    return Plan(kernel, names, lazy_name, keywords)
-
-
-# Below this mean element count per parameter, one fused Adam call over flat buffers beats
-# torch's fused kernel called once per tensor (about 3 us each on CPU), copies included.
-FLAT_MAX_MEAN_NUMEL = 4096
-
-
-class _Flat:
-    """The state of many small parameters in one buffer per name (the parameters' state entries
-    become views of it), with buffers the parameters and gradients are copied into: a step is
-    one kernel call. The parameters' "step" counters share one tensor while this is in use."""
-
-    def __init__(self, params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> None:
-        sizes = [p.numel() for p in params]
-        first = params[0]
-        self.param = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
-        self.grad = torch.empty_like(self.param)
-        self.param_views = [v.view_as(p) for v, p in zip(self.param.split(sizes), params)]
-        self.grad_views = [v.view_as(p) for v, p in zip(self.grad.split(sizes), params)]
-        entry: dict[str, Tensor] = {}
-        for name in state[first]:
-            if name == "step":
-                entry[name] = state[first][name].clone()
-                for p in params:
-                    state[p][name] = entry[name]
-                continue
-            entry[name] = torch.cat([state[p][name].reshape(-1) for p in params])
-            for p, view in zip(params, entry[name].split(sizes)):
-                state[p][name] = view.view_as(p)
-        self.state = {self.param: entry}
-
-    @staticmethod
-    def adoptable(params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> bool:
-        """Whether every parameter has state of the same names (Adam's) and the same step count."""
-        names = set(state.get(params[0], ()))
-        if not names or any(p not in state or set(state[p]) != names for p in params):
-            return False
-        steps = torch.stack([state[p]["step"] for p in params])
-        return bool((steps == steps[0]).all())
-
-    @staticmethod
-    def release(state: dict[Tensor, dict[str, Tensor]]) -> None:
-        """Give every parameter its own step counter back (per-tensor kernels advance each)."""
-        for entry in state.values():
-            if "step" in entry:
-                entry["step"] = entry["step"].clone()
-
-
 @dataclasses.dataclass(eq=False, repr=False)
 class FunctionalOptimizer:
     """What the functional optimizers share. Each one is a dataclass of its constructor's
-    arguments (which keep the constructor's values; ``defaults`` holds the ones ``step`` uses)."""
+    arguments (which keep the constructor's values), stepping ``optim``: torch's functional
+    optimizer for ``torch_class`` (TorchScript-compatible; :class:`QHMTwin` for QHM)."""
 
-    kind: ClassVar[str] = ""  # the key of its kernel in KERNELS
     torch_class: ClassVar[type]  # whose constructor checks the hyperparameters
-    # State kept only while a flag or hyperparameter is set, and state that starts at a
-    # hyperparameter's value rather than at zero.
-    switches: ClassVar[dict[str, str]] = {}
-    fills: ClassVar[dict[str, str]] = {}
-    upfront: ClassVar[bool] = False  # state made at construction (Adagrad's), not at first step
     params: list[Tensor]
 
     def __post_init__(self) -> None:
-        hyper = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del hyper["params"]
-        # torch.optim's own checks (and messages), on a one-element probe.
-        self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)
-        self.defaults = flat_hparams(hyper)
-        self.flags = {k: bool(v) for k, v in hyper.items() if isinstance(v, bool) or v is None}
-        # QHM's weight_decay_type, as a flag: the containers TorchScript gets hold floats and bools.
-        self.flags["direct_weight_decay"] = hyper.get("weight_decay_type") == "direct"
-        self.state = {}
-        if self.upfront:
-            self.collect(self.params, list(self.params), self.state)
-        # Flat stepping pays off for fused Adam/AdamW over many small real tensors of one kind
-        # (SGD's update is too cheap to win back the copies).
-        self._flattens = (
-            self.kind in ("adam", "adamw")
-            and self.flags.get("fused", False)
-            and len(self.params) > 1
-            and sum(p.numel() for p in self.params) <= FLAT_MAX_MEAN_NUMEL * len(self.params)
-            and {(p.dtype, p.device, p.layout) for p in self.params}
-            == {(self.params[0].dtype, self.params[0].device, torch.strided)}
-            and not any(torch.is_complex(p) for p in self.params)
-        )
+        hyper = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}  # not params
+        self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)  # torch.optim's checks
+        # torch scripts its twins when torch.distributed.optim is imported (about a second, once
+        # per process): imported on first use. Adam's decoupled_weight_decay is AdamW.
+        from torch.distributed.optim.utils import functional_optim_map
+
+        twins = {**functional_optim_map, QHM: QHMTwin}
+        twin = twins[torch.optim.AdamW if hyper.get("decoupled_weight_decay") else self.torch_class]
+        accepted = inspect.signature(twin).parameters
+        given = {**hyper, "_allow_empty_param_list": True}
+        kwargs = {k: False if v is None else v for k, v in given.items() if k in accepted}
+        # The twins warn at construction that TorchScript is deprecated, under "always": only
+        # recording the warning drops it.
+        with warnings.catch_warnings(record=True):
+            self.optim = twin(self.params, **kwargs)
+        # Floats only (an int lr too): TorchScript types the dict by its values.
+        self.optim.defaults = {k: float(v) for k, v in self.optim.defaults.items()}
 
     @property
     def state(self) -> dict[Tensor, dict[str, Tensor]]:
         """``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it; assign to replace it."""
-        return self._state
+        return self.optim.state
 
     @state.setter
     def state(self, value: dict[Tensor, dict[str, Tensor]]) -> None:
-        self._state = value
-        self._flat: _Flat | None = None
+        self.optim.state = value
+
+    @property
+    def defaults(self) -> dict[str, float]:
+        """The float hyperparameters ``step`` uses, by name; assign to replace them."""
+        return self.optim.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, float]) -> None:
+        self.optim.defaults = value
 
     def step(self, gradients: list[Tensor | None]) -> None:
         """Update every parameter whose gradient is not ``None``, in place.
@@ -295,48 +106,19 @@ class FunctionalOptimizer:
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
         """
-        check_count(len(self.params), len(gradients))
-        if self._flattens and all(g is not None for g in gradients):
-            if self._flat is None and _Flat.adoptable(self.params, self.state):
-                self._flat = _Flat(self.params, self.state)
-            if (flat := self._flat) is not None:
-                # Copied in every step: the parameters may have changed since the last one.
-                with torch.no_grad():
-                    torch._foreach_copy_(flat.param_views, self.params)
-                    torch._foreach_copy_(flat.grad_views, gradients)  # type: ignore[arg-type]
-                    self._run([flat.param], [flat.grad], flat.state)
-                    torch._foreach_copy_(self.params, flat.param_views)
-                return
-        if self._flat is not None:
-            _Flat.release(self.state)
-            self._flat = None
-        self._run(self.params, gradients, self.state)
-
-    def collect(self, params: list[Tensor], gradients: list[Tensor | None], state: Any) -> Any:
-        """:func:`collect` for this optimizer's kernel (the state it keeps, and their fills)."""
-        names = [n for n in plan(self.kind).names if n != plan(self.kind).lazy]
-        used = active([self.switches.get(n, "") for n in names], self.defaults, self.flags)
-        fills = [self.defaults[self.fills[n]] if n in self.fills else 0.0 for n in names]
-        return collect(params, gradients, state, names, used, fills, self.flags.get("fused", False))
-
-    def _run(self, params: list[Tensor], gradients: list[Tensor | None], state: Any) -> None:
-        # torch's kernel for this kind, with every argument it takes that is known here.
-        kernel, names, lazy_name, keywords = plan(self.kind)
-        kept, grads, lists, cplx, sparse = self.collect(params, gradients, state)
-        values: dict[str, Any] = {**self.defaults, **self.flags}
-        values.update(
-            has_complex=cplx, has_sparse_grad=sparse, weight_decay_type=wd_type(self.flags)
-        )
-        stored = iter(lists)
-        bufs = lazy(kept, state, lazy_name) if lazy_name else []
-        args = [bufs if n == lazy_name else next(stored) for n in names]
-        with torch.no_grad():
-            kernel(kept, grads, *args, **{k: values[k] for k in keywords if k in values})
-        if lazy_name and active([self.switches[lazy_name]], self.defaults, self.flags)[0]:
-            keep(kept, bufs, state, lazy_name)
+        if (n := len(gradients)) != len(self.params):
+            raise ValueError(f"gradients has {n} entries, one per parameter: {len(self.params)}")
+        # torch's Adagrad twin hands its kernel every parameter, with a gradient or not: every
+        # twin gets only the parameters that have one.
+        kept = [i for i, g in enumerate(gradients) if g is not None]
+        self.optim.param_group["params"] = [self.params[i] for i in kept]
+        try:
+            self.optim.step([gradients[i] for i in kept])
+        finally:
+            self.optim.param_group["params"] = self.params
 
 
-def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
+def _functional(torch_class: type) -> Any:
     """A functional optimizer class for ``torch_class``: a dataclass of ``params`` and the
     hyperparameters of its constructor (same names, defaults, keyword-only ones; without
     ``capturable`` and ``differentiable``, which stepping outside autograd and graphs excludes)."""
@@ -352,12 +134,12 @@ def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
     doc = [f"{name} on explicit gradients; matches ``{torch_name}``, whose hyperparameters it"]
     doc += ["takes (same names and defaults).", "", "Args:", "    params: Parameters to update."]
     doc += [f"    {f[0]}: As in ``{torch_name}``." for f in fields]
-    namespace = {"kind": kind, "torch_class": torch_class, "__doc__": "\n".join(doc)}
+    namespace = {"torch_class": torch_class, "__doc__": "\n".join(doc)}
     cls = dataclasses.make_dataclass(
         "Functional" + name,
         fields,
         bases=(FunctionalOptimizer,),
-        namespace={**namespace, **class_vars},
+        namespace=namespace,
         eq=False,
         repr=False,
     )
@@ -368,32 +150,27 @@ def _functional(torch_class: type, kind: str, **class_vars: Any) -> Any:
     return cls
 
 
-FunctionalSGD = _functional(torch.optim.SGD, "sgd", switches={"momentum_buffer": "momentum"})
-FunctionalAdam = _functional(torch.optim.Adam, "adam", switches={"max_exp_avg_sq": "amsgrad"})
-FunctionalAdamW = _functional(torch.optim.AdamW, "adamw", switches={"max_exp_avg_sq": "amsgrad"})
-# Adagrad's state exists from construction on, starting at initial_accumulator_value.
-FunctionalAdagrad = _functional(
-    torch.optim.Adagrad, "adagrad", fills={"sum": "initial_accumulator_value"}, upfront=True
-)
-FunctionalRMSprop = _functional(
-    torch.optim.RMSprop, "rmsprop", switches={"grad_avg": "centered", "momentum_buffer": "momentum"}
-)
-FunctionalAdamax = _functional(torch.optim.Adamax, "adamax")
-FunctionalAdadelta = _functional(torch.optim.Adadelta, "adadelta")
-FunctionalRprop = _functional(torch.optim.Rprop, "rprop", fills={"step_size": "lr"})
-FunctionalQHM = _functional(QHM, "qhm")
+FunctionalSGD = _functional(torch.optim.SGD)
+FunctionalAdam = _functional(torch.optim.Adam)
+FunctionalAdamW = _functional(torch.optim.AdamW)
+FunctionalAdagrad = _functional(torch.optim.Adagrad)
+FunctionalRMSprop = _functional(torch.optim.RMSprop)
+FunctionalAdamax = _functional(torch.optim.Adamax)
+FunctionalAdadelta = _functional(torch.optim.Adadelta)
+FunctionalRprop = _functional(torch.optim.Rprop)
+FunctionalQHM = _functional(QHM)
 
 
 # -- which functional optimizer stands in for which torch.optim class --------------------------
 
-_lock = threading.Lock()
-# Each of metadist's functional classes names the class it stands in for.
+# Each of metadist's functional classes names the class it stands in for. Entries are set and read
+# whole, and values() copied before the search: no lock is needed.
 _REGISTRY: dict[type, type] = {c.torch_class: c for c in FunctionalOptimizer.__subclasses__()}
 
 
-def _check_class(optimizer_class: Any) -> None:
-    if not isinstance(optimizer_class, type):
-        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+def _check_class(value: Any, name: str = "optimizer_class") -> None:
+    if not isinstance(value, type):
+        raise TypeError(f"{name} must be a class, got {value!r}")
 
 
 def register_functional_optimizer(
@@ -417,8 +194,7 @@ def register_functional_optimizer(
     _check_class(optimizer_class)
 
     def register(cls: Any) -> Any:
-        if not isinstance(cls, type):
-            raise TypeError(f"functional_class must be a class, got {cls!r}")
+        _check_class(cls, "functional_class")
         # Caught here, not on the owners at the first step, where the error would be obscure.
         if issubclass(cls, torch.optim.Optimizer):
             raise TypeError(
@@ -430,8 +206,7 @@ def register_functional_optimizer(
             raise TypeError(
                 f"functional_class must define step(gradients); {cls.__name__} does not"
             )
-        with _lock:
-            _REGISTRY[optimizer_class] = cls
+        _REGISTRY[optimizer_class] = cls
         return cls
 
     return register if functional_class is None else register(functional_class)
@@ -450,6 +225,5 @@ def get_functional_optimizer(optimizer_class: type) -> type | None:
         TypeError: If ``optimizer_class`` is not a class.
     """
     _check_class(optimizer_class)
-    with _lock:
-        found = _REGISTRY.get(optimizer_class)
-        return optimizer_class if found is None and optimizer_class in _REGISTRY.values() else found
+    found = _REGISTRY.get(optimizer_class)
+    return optimizer_class if found is None and optimizer_class in [*_REGISTRY.values()] else found

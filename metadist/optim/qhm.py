@@ -1,7 +1,7 @@
-# qhm() is compiled by TorchScript (no `not in {...}`); signatures mirror qhoptim positionally.
+# qhm() and QHMTwin are compiled by TorchScript (no `not in {...}`); qhm mirrors qhoptim.
 # ruff: noqa: PLR1714, PLR0917
-"""Quasi-hyperbolic momentum (QHM, Ma & Yarats 2019): the rule of facebookresearch/qhoptim,
-averaging a plain SGD step and a momentum step, and a ``torch.optim.Optimizer`` for it::
+"""Quasi-hyperbolic momentum (QHM, Ma & Yarats 2019, as facebookresearch/qhoptim), averaging a
+plain SGD step and a momentum step, and a ``torch.optim.Optimizer`` for it::
 
     g   = grad (+ weight_decay * p when weight_decay_type == "grad")
     p   = p * (1 - lr * weight_decay)             when weight_decay_type == "direct"
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["QHM", "qhm"]
+__all__ = ["QHM", "QHMTwin", "qhm"]
 
 
 def qhm(
@@ -38,13 +38,13 @@ def qhm(
         params: Parameters to update in place.
         grads: Their gradients (never modified).
         momentum_buffers: Their momentum buffers (start at zero), updated in place.
-        lr: Learning rate.
-        momentum: Momentum factor in ``[0, 1)``.
-        nu: Immediate discount factor: ``1`` is dampened momentum, ``0`` plain SGD.
-        weight_decay: Weight-decay factor.
-        weight_decay_type: ``"grad"`` or ``"direct"`` (see the rule above).
-        maximize: Ascend instead of descend.
-        foreach: Use torch's multi-tensor kernels (not under TorchScript).
+        lr: As in :class:`QHM`.
+        momentum: As in :class:`QHM`.
+        nu: As in :class:`QHM`.
+        weight_decay: As in :class:`QHM`.
+        weight_decay_type: As in :class:`QHM`.
+        maximize: As in :class:`QHM`.
+        foreach: Use torch's multi-tensor kernels.
 
     Raises:
         ValueError: If ``weight_decay_type`` is neither ``"grad"`` nor ``"direct"``.
@@ -55,33 +55,64 @@ def qhm(
         )
     if len(params) == 0:
         return
-    if foreach and not torch.jit.is_scripting():  # type: ignore[attr-defined]
-        # torch.optim's own multi-tensor kernels (no public alias).
-        gs = torch._foreach_neg(grads) if maximize else grads
+    # With foreach, one multi-tensor call per operation; else the same calls tensor by tensor.
+    chunks = [(params, grads, momentum_buffers)]
+    if not foreach:
+        chunks = [([params[i]], [grads[i]], [momentum_buffers[i]]) for i in range(len(params))]
+    for ps, raw, bufs in chunks:
+        gs = torch._foreach_neg(raw) if maximize else raw
         if weight_decay != 0.0:
             if weight_decay_type == "grad":
-                gs = torch._foreach_add(gs, params, alpha=weight_decay)
+                gs = torch._foreach_add(gs, ps, alpha=weight_decay)
             else:
-                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-        torch._foreach_mul_(momentum_buffers, momentum)
-        torch._foreach_add_(momentum_buffers, gs, alpha=1.0 - momentum)
-        torch._foreach_add_(params, momentum_buffers, alpha=-lr * nu)
-        torch._foreach_add_(params, gs, alpha=-lr * (1.0 - nu))
-        return
-    for i in range(len(params)):
-        p = params[i]
-        g = grads[i]
-        if maximize:
-            g = -g
-        if weight_decay != 0.0:
-            if weight_decay_type == "grad":
-                g = g.add(p, alpha=weight_decay)
-            else:
-                p.mul_(1.0 - lr * weight_decay)
-        buf = momentum_buffers[i]
-        buf.mul_(momentum).add_(g, alpha=1.0 - momentum)
-        p.add_(buf, alpha=-lr * nu)
-        p.add_(g, alpha=-lr * (1.0 - nu))
+                torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, gs, alpha=1.0 - momentum)
+        torch._foreach_add_(ps, bufs, alpha=-lr * nu)
+        torch._foreach_add_(ps, gs, alpha=-lr * (1.0 - nu))
+
+
+class QHMTwin:
+    """:class:`QHM` on explicit gradients, for TorchScript as torch's functional optimizers are
+    (what ``FunctionalQHM`` steps; its arguments are :class:`QHM`'s)."""
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        lr: float,
+        momentum: float,
+        nu: float,
+        weight_decay: float = 0.0,
+        weight_decay_type: str = "grad",
+        maximize: bool = False,
+        foreach: bool = False,
+    ) -> None:
+        self.defaults = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
+        self.weight_decay_type = weight_decay_type
+        self.maximize = maximize
+        self.foreach = foreach
+        self.param_group = {"params": params}
+        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
+
+    def step(self, gradients: list[Tensor | None]) -> None:
+        """Step every parameter whose gradient is not ``None``.
+
+        Args:
+            gradients: One per parameter, in order.
+        """
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        bufs: list[Tensor] = []
+        for p, g in zip(self.param_group["params"], gradients):  # noqa: B905 (TorchScript)
+            if g is not None:
+                if p not in self.state:  # created once: the buffer persists
+                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+                params.append(p)
+                grads.append(g)
+                bufs.append(self.state[p]["momentum_buffer"])
+        d, flags = self.defaults, (self.weight_decay_type, self.maximize, self.foreach)
+        with torch.no_grad():
+            qhm(params, grads, bufs, d["lr"], d["momentum"], d["nu"], d["weight_decay"], *flags)
 
 
 class QHM(torch.optim.Optimizer):
@@ -115,18 +146,16 @@ class QHM(torch.optim.Optimizer):
         maximize: bool = False,
         foreach: bool = False,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr!r}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        if not isinstance(nu, int | float):
-            raise ValueError(f"nu must be a float, got {nu!r}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        if weight_decay_type not in ("grad", "direct"):
-            raise ValueError(
-                f"weight_decay_type must be 'grad' or 'direct', got {weight_decay_type!r}"
-            )
+        wdt = weight_decay_type
+        for name, value, ok, expected in (
+            ("lr", lr, lr >= 0.0, ">= 0"),
+            ("momentum", momentum, 0.0 <= momentum < 1.0, "in [0, 1)"),
+            ("nu", nu, isinstance(nu, int | float), "a float"),
+            ("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0"),
+            ("weight_decay_type", wdt, wdt in ("grad", "direct"), "'grad' or 'direct'"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {expected}, got {value!r}")
         names = ("lr", "momentum", "nu", "weight_decay", "weight_decay_type", "maximize", "foreach")
         values = (lr, momentum, nu, weight_decay, weight_decay_type, maximize, foreach)
         super().__init__(params, dict(zip(names, values, strict=True)))
@@ -149,14 +178,12 @@ class QHM(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if any(p.grad.is_sparse for p in params):
+            grads = [p.grad for p in group["params"]]
+            if any(g is not None and g.is_sparse for g in grads):
                 raise RuntimeError("QHM does not support sparse gradients")
-            for p in params:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             lr, mom, nu, wd = (float(group[k]) for k in ("lr", "momentum", "nu", "weight_decay"))
             flags = str(group["weight_decay_type"]), bool(group["maximize"]), bool(group["foreach"])
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            qhm(params, [p.grad for p in params], bufs, lr, mom, nu, wd, *flags)
+            twin = QHMTwin(group["params"], lr, mom, nu, wd, *flags)
+            twin.state = self.state  # (its momentum buffers persist there)
+            twin.step(grads)
         return loss

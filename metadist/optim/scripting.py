@@ -5,106 +5,26 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from metadist._quiet import quiet_torch_warnings
-from metadist.optim import functional
-from metadist.optim.functional import FunctionalOptimizer, FunctionalSGD
+from metadist.optim.functional import FunctionalOptimizer, FunctionalQHM, FunctionalSGD
 
 __all__ = ["ScriptedFunctionalOptimizer", "script_functional_optimizer", "torchscript_status"]
 
 # torch's compiler is not thread-safe.
 _compile_lock = threading.Lock()
-FIX = "Step it eagerly instead (its step(), or DistributedOptimizer(..., mode='eager' or 'auto'))"
-
-
-def _source(optim: FunctionalOptimizer) -> str:
-    """The step of ``optim``'s class as TorchScript source: TorchScript calls take no ``**kwargs``,
-    so the call of the kernel is written out from its signature (:func:`functional.plan`)."""
-    _, names, lazy, keywords = functional.plan(optim.kind)
-    stored = [n for n in names if n != lazy]
-    switches = [optim.switches.get(n, "") for n in stored]
-    fills = [f'd["{optim.fills[n]}"]' if n in optim.fills else "0.0" for n in stored]
-    args = ["bufs" if n == lazy else f"s[{stored.index(n)}]" for n in names]
-    special = {
-        "has_complex": "cplx",
-        "has_sparse_grad": "sparse",
-        "weight_decay_type": "wd_type(f)",
-    }
-    for k in keywords:
-        source = "d" if k in optim.defaults else "f" if k in optim.flags else None
-        if source or k in special:
-            args.append(f'{k}={source}["{k}"]' if source else f"{k}={special[k]}")
-    lines = [
-        "def step(params: List[Tensor], gradients: List[Optional[Tensor]], "
-        "state: Dict[Tensor, Dict[str, Tensor]], d: Dict[str, float], f: Dict[str, bool]):",
-        f"    used = active({switches!r}, d, f)",
-        f"    kept, grads, s, cplx, sparse = collect(params, gradients, state, {stored!r}, used, "
-        f"[{', '.join(fills)}], False)",
-        f"    bufs = lazy(kept, state, {lazy!r})" if lazy else "",
-        "    with torch.no_grad():",
-        f"        kernel(kept, grads, {', '.join(args)})",
-    ]
-    if lazy:
-        lines.append(f"    if active([{optim.switches[lazy]!r}], d, f)[0]:")
-        lines.append(f"        keep(kept, bufs, state, {lazy!r})")
-    return "\n".join(line for line in lines if line) + "\n"
-
-
-@functools.cache
-def _compile(cls: Any, source: str) -> tuple[Any, str | None]:
-    """``(compiled step, None)`` or ``(None, why not)`` for one of metadist's classes, once per
-    class."""
-    try:
-        with _compile_lock, quiet_torch_warnings():
-            env = {**vars(functional), "kernel": functional.plan(cls.kind).kernel, "torch": torch}
-            unit = torch.jit.CompilationUnit()
-            unit.define(source, rcb=env.get)
-            return unit.step, None
-    except Exception as exc:
-        return None, _why(cls, exc)
-
-
-def _why(cls: type, exc: Exception) -> str:
-    # TorchScript's first line says what failed; a later one names the function it was in.
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or ["?"]
-    where = next((line for line in lines if "is being compiled" in line), "")
-    return (
-        f"TorchScript in torch {torch.__version__} cannot compile {cls.__name__} "
-        f"({type(exc).__name__}: {lines[0]}{' ' + where if where else ''})"
-    )
-
-
 # Classes torch failed to compile, and why: it cannot compile a class again after a failure.
 _failed: dict[type, str] = {}
-
-
-def _script(optim: Any) -> Any:
-    """The scripted :class:`ScriptedFunctionalOptimizer` of ``optim``; ``RuntimeError(why not)``."""
-    cls: Any = type(optim)
-    mine = isinstance(optim, FunctionalOptimizer)
-    compiled, problem = _compile(cls, _source(optim)) if mine else (None, None)
-    problem = problem or _failed.get(cls)
-    if problem is None and not callable(getattr(torch.jit, "script", None)):
-        problem = f"torch {torch.__version__} has no torch.jit.script"
-    if problem is None:
-        try:
-            with _compile_lock, quiet_torch_warnings():
-                return torch.jit.script(ScriptedFunctionalOptimizer(optim, compiled))
-        except Exception as exc:
-            problem = _failed[cls] = _why(cls, exc)
-    raise RuntimeError(problem)
 
 
 @functools.cache
 def torchscript_status(functional_class: Any = FunctionalSGD) -> tuple[bool, str | None]:
     """Whether :func:`script_functional_optimizer` compiles instances of ``functional_class`` here
-    (tried once per process and class on a one-element instance), and why ``"auto"`` should not
-    pick it (deprecated, say).
+    (tried once per process and class on a one-element instance).
 
     Args:
         functional_class: One of metadist's functional classes. For any other class this says
@@ -112,37 +32,22 @@ def torchscript_status(functional_class: Any = FunctionalSGD) -> tuple[bool, str
             itself compiles shows when an instance is scripted.
 
     Returns:
-        ``(works, problem)``: ``problem`` is ``None`` or a sentence naming the torch version.
+        ``(works, problem)``: ``problem`` is ``None`` or why not, naming the torch version.
     """
     if not issubclass(functional_class, FunctionalOptimizer):
         functional_class = FunctionalSGD
+    needed = {"lr": 0.1, "momentum": 0.5, "nu": 0.5} if functional_class is FunctionalQHM else {}
     try:
-        _script(_instance(functional_class))
+        script_functional_optimizer(functional_class([torch.zeros(1)], **needed))
     except RuntimeError as exc:
         return False, str(exc)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.jit.script(_probe)  # for the notice torch gives at every call
-    if any("deprecated" in str(w.message) for w in caught):
-        return True, f"torch {torch.__version__} deprecates TorchScript"
     return True, None
 
 
 def forget() -> None:
     """Forget what :func:`torchscript_status` found (for tests that change ``torch.jit``)."""
     torchscript_status.cache_clear()
-    _compile.cache_clear()
     _failed.clear()
-
-
-def _probe(x: Tensor) -> Tensor:
-    return x
-
-
-def _instance(cls: type) -> FunctionalOptimizer:
-    """A one-element instance of one of metadist's classes (FunctionalQHM's needs values)."""
-    needed = {"lr": 0.1, "momentum": 0.5, "nu": 0.5} if cls is functional.FunctionalQHM else {}
-    return cls([torch.zeros(1)], **needed)
 
 
 class ScriptedFunctionalOptimizer(torch.nn.Module):
@@ -150,25 +55,17 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
     :func:`script_functional_optimizer`).
 
     Args:
-        optim: A functional optimizer instance (``step(gradients)``, ``state``, ``defaults``).
-        compiled: The step compiled for its class (metadist's classes), or ``None`` (a user's
-            class, compiled as a TorchScript class with the module).
+        optim: A TorchScript-compatible functional optimizer instance (``step(gradients)``,
+            ``state``, ``defaults``), compiled as a TorchScript class with the module.
     """
 
-    def __init__(self, optim: Any, compiled: Any = None) -> None:
+    def __init__(self, optim: Any) -> None:
         super().__init__()
-        if compiled is None:
-            self.optim = optim
-            return
-        # metadist's classes share one step through inheritance and call their kernels with
-        # **kwargs, which TorchScript cannot compile: the module holds their containers, typed,
-        # and the step compiled for their class.
-        self.run, self.params = compiled, optim.params
-        self.state: Any = torch.jit.Attribute(optim.state, dict[Tensor, dict[str, Tensor]])
-        self.defaults: Any = torch.jit.Attribute(optim.defaults, dict[str, float])
-        self.flags: Any = torch.jit.Attribute(optim.flags, dict[str, bool])
+        self.optim = optim
+        group = getattr(optim, "param_group", {"params": []})  # torch's twins' (and QHMTwin's)
+        self.params: Any = torch.jit.Attribute(list(group["params"]), list[Tensor])
 
-    # hasattr(self, "run") is decided at compile time: only the branch that applies compiles.
+    # hasattr(self.optim, "param_group") is decided at compile time: one branch compiles.
     @torch.jit.export
     def step(self, gradients: list[Tensor | None]) -> None:
         """Step the held optimizer.
@@ -176,8 +73,16 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         Args:
             gradients: One per parameter, in order; ``None`` skips it.
         """
-        if hasattr(self, "run"):
-            self.run(self.params, gradients, self.state, self.defaults, self.flags)
+        if hasattr(self.optim, "param_group"):  # as FunctionalOptimizer.step does
+            params: list[Tensor] = []
+            grads: list[Tensor | None] = []
+            for p, g in zip(self.params, gradients):  # noqa: B905 (TorchScript has no strict=)
+                if g is not None:
+                    params.append(p)
+                    grads.append(g)
+            self.optim.param_group["params"] = params
+            self.optim.step(grads)
+            self.optim.param_group["params"] = self.params
         else:
             self.optim.step(gradients)
 
@@ -188,7 +93,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         Returns:
             ``{parameter: {name: tensor}}`` (the live tensors).
         """
-        return self.state if hasattr(self, "run") else self.optim.state
+        return self.optim.state
 
     @torch.jit.export
     def set_state(self, state: dict[Tensor, dict[str, Tensor]]) -> None:
@@ -197,10 +102,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         Args:
             state: ``{parameter: {name: tensor}}``; ``{}`` starts every parameter afresh.
         """
-        if hasattr(self, "run"):
-            self.state = state
-        else:
-            self.optim.state = state
+        self.optim.state = state
 
     @torch.jit.export
     def get_defaults(self) -> dict[str, float]:
@@ -209,7 +111,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         Returns:
             ``{name: value}``.
         """
-        return self.defaults if hasattr(self, "run") else self.optim.defaults
+        return self.optim.defaults
 
     @torch.jit.export
     def set_defaults(self, defaults: dict[str, float]) -> None:
@@ -218,10 +120,7 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         Args:
             defaults: ``{name: value}`` (a scheduler's new ``lr``, ...).
         """
-        if hasattr(self, "run"):
-            self.defaults = defaults
-        else:
-            self.optim.defaults = defaults
+        self.optim.defaults = defaults
 
 
 def script_functional_optimizer(optim: Any) -> Any:
@@ -260,7 +159,26 @@ def script_functional_optimizer(optim: Any) -> Any:
                 f"optim was built with {flag}=True, which TorchScript cannot run; build it with "
                 f"{flag}=False to script it"
             )
-    try:
-        return _script(optim)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot script {type(optim).__name__}: {exc}. {FIX}") from None
+    cls: Any = type(optim)
+    held = optim.optim if isinstance(optim, FunctionalOptimizer) else optim  # torch's, for ours
+    problem = _failed.get(cls)
+    if problem is None and not callable(getattr(torch.jit, "script", None)):
+        problem = f"torch {torch.__version__} has no torch.jit.script"
+    if problem is None:
+        # One module class per held class: a failed compile leaves the others alone.
+        module = type(f"Scripted{type(held).__name__}", (ScriptedFunctionalOptimizer,), {})
+        try:
+            with _compile_lock, quiet_torch_warnings():
+                return torch.jit.script(module(held))
+        except Exception as exc:
+            # TorchScript's first line says what failed; a later one names the function.
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or ["?"]
+            where = next((line for line in lines if "is being compiled" in line), "")
+            problem = _failed[cls] = (
+                f"TorchScript in torch {torch.__version__} cannot compile {cls.__name__} "
+                f"({type(exc).__name__}: {lines[0]}{' ' + where if where else ''})"
+            )
+    raise RuntimeError(
+        f"cannot script {cls.__name__}: {problem}. Step it eagerly instead (its step(), or "
+        "DistributedOptimizer(..., mode='eager' or 'auto'))"
+    )
