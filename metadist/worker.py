@@ -187,7 +187,8 @@ def wake() -> None:
 # released before its partition finished (the caller gave up waiting) is remembered, so that
 # the graph is never kept. Releases arrive with the next request; freeing a step's graph takes
 # a fifth of a millisecond for a small MAML step, so a dropped graph is freed after that
-# request's reply has left, not before its partition runs.
+# request's reply has left, not before its partition runs (a loop of forward-only calls under
+# grad mode then holds one graph more at its peak).
 
 _GRAPHS: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 _GONE: set[int] = set()
