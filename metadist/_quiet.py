@@ -15,7 +15,7 @@ _MESSAGES = (
     r"You are using a Backend .*ProcessGroupGloo.* as a ProcessGroup",
     # TorchScript is deprecated; metadist scripts its functional optimizers on purpose.
     r".*TorchScript.*deprecated",
-    r"`torch.jit.(script|script_method|trace)` is deprecated",
+    r"`torch.jit.(script|script_method|trace|interface)` is deprecated",
 )
 
 

@@ -1,7 +1,6 @@
-"""Optimizers for metadist: functional ones (:class:`FunctionalSGD`, ..., :class:`FunctionalQHM`
-for :class:`QHM`), eager or scripted, and :class:`DistributedOptimizer`, which steps parameters on
-their owners, with :class:`DistributedGradScaler` and :func:`clip_grad_norm_` (``docs/optim.md``).
-"""
+"""Optimizers for metadist: functional ones (:class:`FunctionalSGD`, ..., :class:`FunctionalQHM`),
+eager or scripted, and :class:`DistributedOptimizer`, which steps parameters on their owners, with
+:class:`DistributedGradScaler` and :func:`clip_grad_norm_` (``docs/optim.md``)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from metadist._quiet import quiet_torch_warnings
 from metadist.optim.qhm import QHM, QHMTwin
 
 __all__ = ["FunctionalAdadelta", "FunctionalAdagrad", "FunctionalAdam", "FunctionalAdamW"]
@@ -63,9 +64,9 @@ class FunctionalOptimizer:
     def __post_init__(self) -> None:
         hyper = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}  # not params
         self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)  # torch.optim's checks
-        # torch scripts its twins when torch.distributed.optim is imported (about a second, once
-        # per process): imported on first use. Adam's decoupled_weight_decay is AdamW.
-        from torch.distributed.optim.utils import functional_optim_map
+        # Imported on first use: torch then scripts its twins (about a second), quietly.
+        with quiet_torch_warnings():
+            from torch.distributed.optim.utils import functional_optim_map
 
         twins = {**functional_optim_map, QHM: QHMTwin}
         twin = twins[torch.optim.AdamW if hyper.get("decoupled_weight_decay") else self.torch_class]
