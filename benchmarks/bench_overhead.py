@@ -15,6 +15,10 @@ meta-step):
 * ``md W=2``: the same call in a world of 2; rank 0 drives and computes its own half in-process.
 * ``md ctx W=2``: the same in the torchopt form, ``metadist.autograd.context()`` and
   ``metadist.autograd.backward``.
+* ``md bal W=2``, ``md bal ctx W=2``: the two above with ``dim_partitioner(0,
+  schedule="balanced")`` (one per variant and batch size, warmed up for 200 steps, past its
+  first trials): chunk sizes follow each worker's measured speed, and a worker that costs more
+  than it saves sits out.
 * ``raw W=2``: hand-written ``torch.distributed.rpc``: the tasks split in two, one ``rpc_async``
   per worker (rank 0's own half included, as a plain fan-out does), parameters sent as
   ``p.view_as(p)`` so that distributed autograd links them, ``dist_autograd.backward``.
@@ -125,25 +129,53 @@ def step_plain(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor
     opt.step()
 
 
-def step_metadist(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
+def step_metadist(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: tuple[Tensor, ...],
+    partitioner: metadist.DimPartitioner | None = None,
+) -> None:
     opt.zero_grad()
     loss = metadist.remote_sync_call(
-        module_meta_loss, args=(model, *batch), reducer=metadist.mean_reducer
+        module_meta_loss,
+        args=(model, *batch),
+        partitioner=partitioner,
+        reducer=metadist.mean_reducer,
     )
     loss.backward()
     opt.step()
 
 
 def step_metadist_context(
-    model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: tuple[Tensor, ...],
+    partitioner: metadist.DimPartitioner | None = None,
 ) -> None:
     opt.zero_grad()
     with metadist.autograd.context() as ctx:
         loss = metadist.remote_sync_call(
-            module_meta_loss, args=(model, *batch), reducer=metadist.mean_reducer
+            module_meta_loss,
+            args=(model, *batch),
+            partitioner=partitioner,
+            reducer=metadist.mean_reducer,
         )
         metadist.autograd.backward(ctx, [loss])
     opt.step()
+
+
+# One balanced partitioner per variant and batch size: each learns the split of its own step.
+_BALANCED: dict[tuple[str, int], metadist.DimPartitioner] = {}
+
+
+def balanced(name: str, step: Callable[..., None]) -> Callable[..., None]:
+    def run(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
+        key = (name, len(batch[0]))
+        if key not in _BALANCED:
+            _BALANCED[key] = metadist.dim_partitioner(0, schedule="balanced")
+        step(model, opt, batch, _BALANCED[key])
+
+    return run
 
 
 def step_raw(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
@@ -174,6 +206,8 @@ STEPS: dict[str, Callable[[nn.Module, torch.optim.Optimizer, tuple[Tensor, ...]]
     "md W=1": step_metadist,
     "md W=2": step_metadist,
     "md ctx W=2": step_metadist_context,
+    "md bal W=2": balanced("md bal W=2", step_metadist),
+    "md bal ctx W=2": balanced("md bal ctx W=2", step_metadist_context),
     "raw W=2": step_raw,
 }
 
@@ -280,7 +314,8 @@ def time_interleaved(
     for name in variants:
         model = make_model()
         setups[name] = (model, torch.optim.Adam(model.parameters(), lr=1e-3))
-        for _ in range(3):  # warm up
+        # Warm up; a balanced partitioner past its first trials (rests of 50, then 100 calls).
+        for _ in range(200 if " bal " in name else 3):
             STEPS[name](*setups[name], batch)
     order = variants + (list(PAIRS) if dist.is_initialized() else [])
     out: dict[str, list[float]] = {name: [] for name in order}
@@ -315,7 +350,7 @@ def _env(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-DRIVEN = ["plain", "md W=2", "md ctx W=2", "raw W=2"]
+DRIVEN = ["plain", "md W=2", "md ctx W=2", "md bal W=2", "md bal ctx W=2", "raw W=2"]
 
 
 def _pair_child(rank: int, ports: tuple[int, int], cfg: dict[str, Any], out: str) -> None:
@@ -401,7 +436,17 @@ def _ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-NAMES = ["plain", "limit", "md W=1", "md W=2", "md ctx W=2", "raw W=2", "spmd W=2"]
+NAMES = [
+    "plain",
+    "limit",
+    "md W=1",
+    "md W=2",
+    "md ctx W=2",
+    "md bal W=2",
+    "md bal ctx W=2",
+    "raw W=2",
+    "spmd W=2",
+]
 
 
 def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -> list[str]:
@@ -438,7 +483,7 @@ def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -
         bound = {25: 1.3, 400: 1.15}.get(tasks)
         if bound is None:
             continue
-        for name in ("md W=2", "md ctx W=2"):
+        for name in ("md W=2", "md ctx W=2", "md bal W=2", "md bal ctx W=2"):
             r = _ratio(per[name], per["limit"])
             show(f"{name} / limit ({tasks} tasks)", r, f"<= {bound}", r[0] <= bound)
             r = _ratio(per[name], per["spmd W=2"])
@@ -457,7 +502,14 @@ def plot(times: dict[int, dict[str, list[float]]], path: Path) -> None:
 
     tasks = sorted(times)
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    styles = {"limit": "k-", "md W=2": "o-", "md ctx W=2": "d-", "spmd W=2": "s--", "raw W=2": "^:"}
+    styles = {
+        "limit": "k-",
+        "md W=2": "o-",
+        "md ctx W=2": "d-",
+        "md bal W=2": "v-",
+        "spmd W=2": "s--",
+        "raw W=2": "^:",
+    }
     for name, style in styles.items():
         if all(name in times[t] for t in tasks):
             speedup = [

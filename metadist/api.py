@@ -17,6 +17,7 @@ import pickle
 import queue
 import sys
 import threading
+import time
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -180,7 +181,9 @@ def _check_partitioner(partitioner: Any) -> None:
 
 def _partitions(
     partitioner: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]
-) -> tuple[list[tuple[str, tuple[Any, ...], dict[str, Any]]], tuple[int, ...] | None, str]:
+) -> tuple[list[tuple[str, tuple[Any, ...], dict[str, Any]]], tuple[int, ...] | None, Any]:
+    """The partitions as ``(worker name, args, kwargs)``, their sizes, and the partitioner's
+    :class:`~metadist.partition.Partitions` (its ``schedule`` and ``observe``), or ``None``."""
     _check_partitioner(partitioner)
     if partitioner is None:
         partitioner = batch_partitioner
@@ -189,7 +192,7 @@ def _partitions(
             worker_id = get_worker_id(partitioner)
         except (TypeError, ValueError) as error:
             raise type(error)(f"partitioner={partitioner!r}: {error}") from None
-        return [(names[worker_id], args, kwargs)], None, "static"
+        return [(names[worker_id], args, kwargs)], None, None
     raw = partitioner(*args, **kwargs)
     name = getattr(partitioner, "__qualname__", repr(partitioner))
     if not isinstance(raw, (list, tuple)):
@@ -230,7 +233,7 @@ def _partitions(
             f"partitioner {name} returned {len(parts)} partitions: Partitions.sizes",
             "partition",
         )
-    return parts, sizes, getattr(raw, "schedule", "static")
+    return parts, sizes, raw
 
 
 def _rpc_error(
@@ -422,6 +425,10 @@ class _Call:
         self.telemetry = _Telemetry(log, func_name) if log is not None else None
         if self.telemetry is not None:
             self.callbacks.append(self.telemetry.done)
+        # A balanced partitioner's feedback: when each partition's result was there.
+        self.observe: Callable[[list[float]], None] | None = None
+        self.began = time.perf_counter()
+        self.finished: list[float | None] = [None] * count
 
     def send(self, index: int, worker: str) -> None:
         """Send partition ``index`` to ``worker`` (encoded already)."""
@@ -439,8 +446,13 @@ class _Call:
             future = Future()
             future.set_exception(error)
         self.futures[index] = future
+        if self.observe is not None:
+            future.add_done_callback(functools.partial(self._finished, index))
         for done in self.callbacks:
             future.add_done_callback(functools.partial(done, index))
+
+    def _finished(self, index: int, _: Future[Any]) -> None:
+        self.finished[index] = time.perf_counter()
 
     def run_here(self, index: int) -> None:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
@@ -463,6 +475,7 @@ class _Call:
             self.local[index] = (False, raised)
         else:
             self.local[index] = (True, result)
+        self.finished[index] = time.perf_counter()
         if self.bar is not None:
             self.bar.update()
         if self.telemetry is not None:
@@ -513,6 +526,10 @@ class _Call:
             del outcomes  # the raised error's traceback must not hold the results
             raise first
         values = [value for _, value in outcomes]
+        if self.observe is not None:
+            # A callback may not have run yet when its future's wait returns: that one is now.
+            now = time.perf_counter()
+            self.observe([(now if t is None else t) - self.began for t in self.finished])
         if link is not None:
             values = link.finish(values)
         if self.reducer is None:
@@ -613,10 +630,12 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     _check_reducer(reducer)
     rpc_timeout = _resolve_timeout(timeout)
     dtype = transport.resolve_compression(compression)
-    parts, sizes, schedule = _partitions(partitioner, tuple(args), kwargs, get_worker_names())
+    parts, sizes, raw = _partitions(partitioner, tuple(args), kwargs, get_worker_names())
+    schedule = getattr(raw, "schedule", "static")
     own = get_worker_name()
     name = getattr(func, "__qualname__", None) or type(func).__name__
     call = _Call(sendable, name, parts, own, reducer, sizes, dtype, rpc_timeout)
+    call.observe = getattr(raw, "observe", None)
     if progress:
         bar = call.bar = _progress_bar(name, len(parts))
         call.callbacks.append(lambda _, __: bar.update())
