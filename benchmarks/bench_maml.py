@@ -214,12 +214,11 @@ def role_spmd(args: argparse.Namespace) -> None:
         def step() -> None:
             opt.zero_grad()
             (_metadist_loss(net, *mine) * weight).backward()
-            flat = torch.cat([q.grad.reshape(-1) for q in net.parameters()])  # type: ignore[union-attr]
+            grads = [q.grad for q in net.parameters() if q.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
-            offset = 0
-            for q in net.parameters():
-                q.grad.copy_(flat[offset : offset + q.numel()].view_as(q))  # type: ignore[union-attr]
-                offset += q.numel()
+            for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(reduced.view_as(g))
 
         step()
         got = flat_grad(net)

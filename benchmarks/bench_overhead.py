@@ -129,6 +129,17 @@ def step_plain(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor
     opt.step()
 
 
+def metadist_loss(
+    model: nn.Module, batch: tuple[Tensor, ...], partitioner: metadist.DimPartitioner | None
+) -> Tensor:
+    return metadist.remote_sync_call(
+        module_meta_loss,
+        args=(model, *batch),
+        partitioner=partitioner,
+        reducer=metadist.mean_reducer,
+    )
+
+
 def step_metadist(
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -136,13 +147,7 @@ def step_metadist(
     partitioner: metadist.DimPartitioner | None = None,
 ) -> None:
     opt.zero_grad()
-    loss = metadist.remote_sync_call(
-        module_meta_loss,
-        args=(model, *batch),
-        partitioner=partitioner,
-        reducer=metadist.mean_reducer,
-    )
-    loss.backward()
+    metadist_loss(model, batch, partitioner).backward()
     opt.step()
 
 
@@ -154,13 +159,7 @@ def step_metadist_context(
 ) -> None:
     opt.zero_grad()
     with metadist.autograd.context() as ctx:
-        loss = metadist.remote_sync_call(
-            module_meta_loss,
-            args=(model, *batch),
-            partitioner=partitioner,
-            reducer=metadist.mean_reducer,
-        )
-        metadist.autograd.backward(ctx, [loss])
+        metadist.autograd.backward(ctx, [metadist_loss(model, batch, partitioner)])
     opt.step()
 
 
@@ -242,12 +241,11 @@ def _half(tasks: int, rank: int) -> tuple[list[Tensor], float]:
 def _spmd_step(model: nn.Module, opt: torch.optim.Optimizer, half: list[Tensor], w: float) -> None:
     opt.zero_grad()
     (module_meta_loss(model, *half) * w).backward()
-    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
-    offset = 0
-    for p in model.parameters():
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))  # type: ignore[union-attr]
-        offset += p.numel()
+    for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(reduced.view_as(g))
     opt.step()
 
 

@@ -109,7 +109,8 @@ class Balance:
 
     def sizes(self, n: int, workers: Sequence[int]) -> list[int]:
         """``n`` items in one chunk per worker (0 for one that rests), proportional to their
-        speeds, at least one each otherwise (even sizes until every worker has been timed)."""
+        speeds, at least one each otherwise (even sizes until every worker has been timed).
+        Called once per call: it also counts the call, for rests and trials."""
         m = min(n, len(workers))
         if tuple(workers) != self.workers or m < len(workers):
             return split_sizes(n, m)
