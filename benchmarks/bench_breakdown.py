@@ -7,14 +7,20 @@ drives and computes its half in-process, rank 1 the other half), plain ``loss.ba
 for each interval, the median over ``--steps`` steps. To find those points it wraps a few
 functions for the length of the run: torch RPC's pickler (private: the only place that sees a
 message being pickled and unpickled), metadist's worker entry points and the partition's
-function. The wrappers cost about a microsecond each.
+function, and ``metadist.ahead.backward``. The wrappers cost about a microsecond each.
+
+Once two passes gave the partitions the same gradients, each step's backward runs ahead, right
+after each side's forward (``metadist.ahead``): the rows of the gradient request and its answer
+then stay empty, and the worker's reply leaves after its backward. ``--no-ahead`` computes every
+backward in its pass, with one gradient request per step.
 
 The floors, measured in the same world right after: a round trip of a no-op ``rpc_sync``
 without tensors and with the step's request arguments (the parameters and the worker's half of
 the batch, as tensors), and the worker's half of the step (forward, then backward) run alone
 on rank 0 while rank 1 idles.
 
-Run: ``python benchmarks/bench_breakdown.py`` (``--tasks 2,25``, ``--steps``, ``--form``).
+Run: ``python benchmarks/bench_breakdown.py`` (``--tasks 2,25``, ``--steps``, ``--form``,
+``--no-ahead``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_overhead as workload
 
 import metadist
+from metadist import ahead
 from metadist import worker as remote_worker
 from metadist.network import free_loopback_port
 
@@ -78,6 +85,7 @@ def _instrument() -> None:
     _around(rpc_api._default_pickler, "serialize", "pickle")
     _around(rpc_api._default_pickler, "deserialize", "unpickle")
     _around(remote_worker, "_vjp", "vjp")
+    _around(ahead, "backward", "ahead")
 
 
 def noop(*_: Any) -> int:
@@ -124,6 +132,7 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
     def main() -> None:
         if rank != 0:
             return
+        ahead.ENABLED = cfg["ahead"]
         call = metadist.parallelize(
             partitioner=metadist.dim_partitioner(0), reducer=metadist.mean_reducer
         )(timed_loss)
@@ -173,7 +182,9 @@ INTERVALS = [
     ("worker: hand-off and decode until the function", (W, "unpickle>", 0), (W, "fn<", 0)),
     ("worker: the function (forward of its half)", (W, "fn<", 0), (W, "fn>", 0)),
     ("caller: the function (forward of its half)", (C, "fn<", 0), (C, "fn>", 0)),
-    ("worker: keep the graph, pickle the reply", (W, "fn>", 0), (W, "pickle>", 0)),
+    ("worker: backward ahead (its half)", (W, "ahead<", 0), (W, "ahead>", 0)),
+    ("caller: backward ahead (its half)", (C, "ahead<", 0), (C, "ahead>", 0)),
+    ("worker: keep the graph (and ahead), pickle the reply", (W, "fn>", 0), (W, "pickle>", 0)),
     ("wire: reply to caller (RPC)", (W, "pickle>", 0), (C, "unpickle<", 0)),
     ("caller: unpickle, link, reduce, return", (C, "unpickle<", 0), (C, "forward>", 0)),
     (
@@ -243,9 +254,17 @@ def main() -> None:
     parser.add_argument("--tasks", default="2,25", help="tasks per meta-batch")
     parser.add_argument("--steps", type=int, default=200, help="timed steps")
     parser.add_argument("--form", choices=("plain", "context"), default="plain")
+    parser.add_argument(
+        "--no-ahead", action="store_true", help="every backward in its pass (metadist.ahead)"
+    )
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun starts them
-    cfg = {"tasks": [int(t) for t in args.tasks.split(",")], "steps": args.steps, "form": args.form}
+    cfg = {
+        "tasks": [int(t) for t in args.tasks.split(",")],
+        "steps": args.steps,
+        "form": args.form,
+        "ahead": not args.no_ahead,
+    }
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "marks.json")
         mp.start_processes(

@@ -3,7 +3,8 @@
 A layer over ``torch.distributed.rpc`` and distributed autograd named after
 ``torchopt.distributed``. Data flows :mod:`~metadist.launch` → :mod:`~metadist.world` →
 :mod:`~metadist.partition` → :mod:`~metadist.api` (:mod:`~metadist.transport`) →
-:mod:`~metadist.reduce` → :mod:`~metadist.autograd` → :mod:`~metadist.optim`.
+:mod:`~metadist.reduce` → :mod:`~metadist.autograd` (:mod:`~metadist.ahead`) →
+:mod:`~metadist.optim`.
 """
 
 from __future__ import annotations

@@ -334,7 +334,8 @@ class _Schedule:
                 if index is None:
                     return
                 self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
-                self.call.send(index, worker)
+                last = not self.queues.get("" if self.dynamic else worker)
+                self.call.send(index, worker, last)
 
     def drive(self, parts: list[str]) -> None:
         """Send and run every partition; return when none is left to start or in flight."""
@@ -417,6 +418,7 @@ class _Call:
         self.in_context = remote_worker.current_context_id() is not None
         self.world_token: object = None
         self.link: autograd.Link | None = None
+        self.site: Any = None  # for answers ahead (metadist.ahead), when the call has remote ones
         self.bar: Any = None
         # Run as each sent partition finishes, with its index and future.
         self.callbacks: list[Callable[[int, Future[Any]], None]] = []
@@ -430,11 +432,13 @@ class _Call:
         self.began = time.perf_counter()
         self.finished: list[float | None] = [None] * count
 
-    def send(self, index: int, worker: str) -> None:
-        """Send partition ``index`` to ``worker`` (encoded already)."""
+    def send(self, index: int, worker: str, last: bool = True) -> None:
+        """Send partition ``index`` to ``worker`` (encoded already); ``last``: the worker gets
+        no other partition of this call after it, so it may run its backward ahead."""
         self.workers[index] = worker
         request = self.requests.pop(index)._replace(
-            release=autograd.released(self.world_token, worker)
+            release=autograd.released(self.world_token, worker),
+            expect=self.link.expect(index) if last and self.link is not None else None,
         )
         if self.telemetry is not None:
             self.telemetry.sent(index, worker, transport.wire_bytes(request[1:3]))
@@ -468,6 +472,9 @@ class _Call:
         try:
             result = getattr(self.func, _ORIGINAL, self.func)(*args, **kwargs)
             remote_worker.check_result(result)
+            if self.site is not None and self.link is not None:
+                sources = transport.grad_sources(args, kwargs)
+                result = autograd.run_ahead(self.site, index, result, sources)
         except Exception as error:
             failure = RemoteFailure.capture(error, self.own, "call")
             raised = failure.to_exception(index, len(self.parts), self.func_name)
@@ -545,7 +552,14 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
     call.world_token = world.world_token()
     # Only a call that hands RRefs to a partition inside a context needs torch's engine.
     attached = call.in_context and any(_holds_rref(call.parts[i][1:]) for i in remote)
-    link = autograd.Link(call.world_token, call.compression, get_worker_id(call.own) << 40)
+    # Answers ahead need the gradients of first-order passes, bit for bit: not with
+    # compression or autocast, whose casts the expectation would have to follow.
+    plain = call.compression is None and not call.state.autocast
+    if call.state.grad == remote_worker.GRAD and plain:
+        call.site = (call.func_name, call.sizes, len(call.parts))
+    link = autograd.Link(
+        call.world_token, call.compression, get_worker_id(call.own) << 40, call.site
+    )
     memo = transport.CallMemo()
     for i in remote:
         name, p_args, p_kwargs = call.parts[i]
@@ -662,8 +676,9 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
         plan.drive([n for n, _, _ in parts])
         call.callbacks.pop()  # no reference cycle: the call's graph must not wait for the GC
         return call
+    last = {parts[i][0]: i for i in remote}
     for i in remote:
-        call.send(i, parts[i][0])
+        call.send(i, parts[i][0], last[parts[i][0]] == i)
     # The caller's own partitions run here, on this thread, while the remote ones compute:
     # no RPC to itself, no encoding, and their graph is part of the caller's own.
     for i, (name, _, _) in enumerate(parts):

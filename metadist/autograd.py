@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -46,7 +47,7 @@ import torch.distributed.rpc as rpc
 from torch.distributed.autograd import backward as _dist_backward  # type: ignore[attr-defined]
 from torch.distributed.autograd import get_gradients as _dist_get_gradients  # type: ignore[attr-defined]
 
-from metadist import timeline, transport
+from metadist import ahead, timeline, transport
 from metadist import worker as remote_worker
 from metadist._pytree import tree_flatten, tree_unflatten
 from metadist.errors import RemoteError, RemoteFailure
@@ -65,7 +66,8 @@ __all__ = ["backward", "context", "get_gradients", "grad", "is_available"]
 # through one call each collect their own answers. ``_Probe``, one per result, on the results'
 # side of ``_Results``, tells it whether the pass keeps the graph: a custom node cannot see
 # ``retain_graph``, but torch frees a node's saved tensors right after it runs in a pass without
-# it, so the probe's saved marker is gone by the time ``_Results`` runs.
+# it, so the probe's saved marker is gone by the time ``_Results`` runs. A partition that ran
+# on the caller and answered its backward ahead (metadist.ahead) is one more node, ``_Ready``.
 
 # Keys of graphs the caller no longer needs, per (world, worker): sent along with the next
 # message to that worker rather than in messages of their own.
@@ -97,21 +99,31 @@ class Graph(NamedTuple):
     inputs: list[int]  # positions in the call's argument list
     outputs: int  # how many of the results' tensors require grad
     record: Any  # the partition's timeline record, or None
+    part: int = -1  # the partition's index in its call (for metadist.ahead)
 
 
 class RemoteGradients:
     """The state one call's nodes share: its kept graphs, and each pass's requests in flight."""
 
-    # No tensors here: the nodes hold this object, and a tensor whose graph holds them would
-    # make a reference cycle through torch's C++ nodes that Python's collector cannot see.
-    def __init__(self, world_token: object, compression: Any, key_base: int) -> None:
+    # No tensor with a graph here (answers sent ahead have none): the nodes hold this object,
+    # and a tensor whose graph holds them would make a reference cycle through torch's C++
+    # nodes that Python's collector cannot see.
+    def __init__(
+        self, world_token: object, compression: Any, key_base: int, site: Any = None
+    ) -> None:
         self.world_token = world_token
         self.compression = compression
         self.key_base = key_base
+        self.site = site  # the call site (metadist.ahead), or None
         self.graphs: list[Graph] = []  # also what the release marker releases
-        self.sent: dict[int, dict[str, tuple[list[tuple[Graph, list[Any], int]], Any]]] = {}
+        self.sent: dict[int, tuple[dict[str, tuple[list[_Item], Any]], list[_Answer]]] = {}
         self.probes: list[Any] = []  # per output: see _Probe
         self.retain = False  # keep the workers' graphs whatever the pass (see _second_order)
+        self.passes = 0
+        # Per graph key: the gradients expected and the answer the worker sent ahead for them;
+        # keys whose answer a pass used and freed.
+        self.ready: dict[int, tuple[ahead.Expectation, list[torch.Tensor | None]]] = {}
+        self.spent: set[int] = set()
 
     def new_key(self) -> int:
         """A key no other graph on any worker has: this caller's rank, then a counter."""
@@ -119,12 +131,25 @@ class RemoteGradients:
 
     def send(self, grads: tuple[torch.Tensor | None, ...], create_graph: bool, retain: bool) -> int:
         """Send the results' gradients, one request per worker; return the pass's number."""
-        per_worker: dict[str, list[tuple[Graph, list[Any], int]]] = {}
+        per_worker: dict[str, list[_Item]] = {}
+        answered: list[_Answer] = []
         offset = 0
         for graph in self.graphs:
             mine = list(grads[offset : offset + graph.outputs])
             offset += graph.outputs
-            if any(g is not None for g in mine):
+            if self.site is not None and not create_graph:
+                ahead.note(self.site, graph.part, mine)
+            if not any(g is not None for g in mine):
+                continue
+            if graph.key in self.spent:
+                raise RuntimeError(SECOND_PASS)
+            ready = self.ready.pop(graph.key, None) if not retain else self.ready.get(graph.key)
+            if ready is not None and not create_graph and ahead.same(ready[0], mine):
+                if not retain:  # freed, as a local pass frees what it went through
+                    self.spent.add(graph.key)
+                    release(self.world_token, [(graph.worker, graph.key)])
+                answered.append((graph, mine, -1, ready[1], ()))
+            else:
                 answer_key = self.new_key() if create_graph else -1
                 per_worker.setdefault(graph.worker, []).append((graph, mine, answer_key))
         log = timeline.active()
@@ -142,7 +167,8 @@ class RemoteGradients:
             args = (wired, create_graph or retain, create_graph, self.compression)
             sent[worker] = (items, rpc.rpc_async(worker, remote_worker.vjp, args=args))
         number = next(_PASSES)
-        self.sent[number] = sent
+        self.passes += 1
+        self.sent[number] = (sent, answered)
         return number
 
     def collect(
@@ -150,17 +176,32 @@ class RemoteGradients:
     ) -> list[Any]:
         """Wait for pass ``number``'s answers; return each argument's gradient (or ``None``)."""
         totals: list[torch.Tensor | None] = [None] * len(inputs)
-        for worker, (items, future) in self.sent.pop(number).items():
+        sent, answers = self.sent.pop(number)
+        for worker, (items, future) in sent.items():
             for (graph, grads, answer_key), (found, diff) in zip(
                 items, _answers(worker, future), strict=True
             ):
-                if diff:
-                    found = _second_order(graph, inputs, grads, found, answer_key, diff, self)  # noqa: PLW2901
-                for position, g in zip(graph.inputs, found, strict=True):
-                    if g is not None:
-                        total = totals[position]
-                        totals[position] = g if total is None else total + g
+                answers.append((graph, grads, answer_key, found, diff))
+        for graph, grads, answer_key, found, diff in answers:
+            if diff:
+                found = _second_order(graph, inputs, grads, found, answer_key, diff, self)  # noqa: PLW2901
+            for position, g in zip(graph.inputs, found, strict=True):
+                if g is not None:
+                    total = totals[position]
+                    totals[position] = g if total is None else total + g
         return totals
+
+
+# A gradient request's item (graph, its results' gradients, the key for the answer's graph), and
+# an answered one (the same, then the answer's gradients and their indices that are kept).
+_Item = tuple[Graph, list[Any], int]
+_Answer = tuple[Graph, list[Any], int, list[Any], tuple[int, ...]]
+
+SECOND_PASS = (
+    "Trying to backward through the graph a second time: a remote call's partition answered its "
+    "backward ahead (see metadist.ahead), and an earlier pass without retain_graph=True freed "
+    "it. Specify retain_graph=True in the first pass to backward through it again"
+)
 
 
 def _answers(worker: str, future: Any) -> list[Any]:
@@ -219,8 +260,12 @@ def _refuse_batched(grads: Sequence[torch.Tensor | None]) -> None:
         )
 
 
-def _release_graphs(world_token: object, graphs: list[Graph]) -> None:
-    release(world_token, [(g.worker, g.key) for g in graphs])
+def _release_graphs(state: RemoteGradients) -> None:
+    release(
+        state.world_token, [(g.worker, g.key) for g in state.graphs if g.key not in state.spent]
+    )
+    if not state.passes and state.site is not None:
+        ahead.forget(state.site)  # not differentiated: answers ahead would be wasted work
 
 
 class _Arguments(torch.autograd.Function):
@@ -231,7 +276,7 @@ class _Arguments(torch.autograd.Function):
         # Freed with the caller's graph, and then releases the workers' graphs (``state.graphs``
         # may still grow).
         ctx.marker = torch.empty(0)
-        weakref.finalize(ctx.marker, _release_graphs, state.world_token, state.graphs)
+        weakref.finalize(ctx.marker, _release_graphs, state)
         return torch.zeros((), dtype=torch.float64)
 
     @staticmethod
@@ -247,7 +292,10 @@ class _Results(torch.autograd.Function):
     ) -> Any:
         ctx.state = state
         ctx.set_materialize_grads(False)
-        return tuple(outputs)
+        # New tensors (sharing the data), not the reply's own: those stay in RPC's future until
+        # its threads let go of it, and the graph, with the workers' graphs it releases, would
+        # live as long.
+        return tuple(o.detach() for o in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
@@ -268,7 +316,7 @@ class _Probe(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, state: RemoteGradients, output: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, state: Any, output: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(torch.empty(0))
         state.probes.append(weakref.ref(ctx))
         return output.detach()  # not the input itself: in-place ops on it work as on any result
@@ -301,6 +349,92 @@ def _linked(
     return [_Probe.apply(state, t) for t in _Results.apply(state, outputs, token)]
 
 
+class _Ahead:
+    """A partition run here whose backward ran ahead (see :func:`run_ahead`)."""
+
+    def __init__(
+        self,
+        output: torch.Tensor,
+        sources: list[torch.Tensor],
+        expect: ahead.Expectation,
+        found: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        self.output: torch.Tensor | None = output  # its graph, kept for another gradient
+        self.sources = sources
+        self.expect = expect
+        self.found: tuple[torch.Tensor | None, ...] | None = found
+        self.probes: list[Any] = []  # see _Probe
+
+
+class _Ready(torch.autograd.Function):
+    """The result of a partition run here, its backward answered ahead for the expected
+    gradient; any other gradient goes through the partition's own graph."""
+
+    @staticmethod
+    def forward(ctx: Any, box: _Ahead, *sources: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        assert box.output is not None
+        return box.output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        box: _Ahead = ctx.box
+        output = box.output
+        if output is None:
+            raise RuntimeError(SECOND_PASS)
+        retain = _retained(box.probes[0])
+        create_graph = torch.is_grad_enabled()
+        if box.found is not None and not create_graph and ahead.same(box.expect, (grad,)):
+            found = box.found
+        else:
+            found = torch.autograd.grad(
+                output,
+                box.sources,
+                grad,
+                retain_graph=retain,
+                create_graph=create_graph,
+                allow_unused=True,
+            )
+        if not retain:  # what the pass went through is freed, as in a local pass
+            box.output = box.found = None
+        return (None, *found)
+
+
+def _noted(site: Any, index: int, grad: torch.Tensor) -> None:
+    if not torch.is_grad_enabled():  # first-order passes only
+        ahead.note(site, index, (grad,))
+
+
+def run_ahead(site: Any, index: int, result: Any, sources: list[torch.Tensor] | None) -> Any:
+    """Partition ``index`` of a call from ``site``, run here, returned ``result``: its backward
+    run now if its gradient is expected (:mod:`metadist.ahead`), else noted when it comes.
+
+    ``sources``: the partition's arguments that require grad (``None`` inside a torch.func
+    transform, where nothing is done).
+    """
+    if (
+        sources is None
+        or not sources
+        or not isinstance(result, torch.Tensor)
+        or not result.requires_grad
+        or result.numel() != 1
+    ):
+        return result
+    expect = ahead.expected(site, index)
+    found = None
+    if expect is not None and ahead.reaches_only(result, sources):
+        found = ahead.backward([result], sources, expect)
+    if expect is None or found is None:
+        result.register_hook(functools.partial(_noted, site, index))
+        return result
+    box = _Ahead(result, sources, expect, found)
+    with torch.enable_grad():
+        ready = _Ready.apply(box, *sources)
+        ready = _Probe.apply(box, ready)  # tells _Ready whether the pass keeps the graph
+    ready.register_hook(functools.partial(_noted, site, index))
+    return ready
+
+
 def result_of(reply: remote_worker.Reply) -> Any:
     """The result of a reply whose graph was not kept: its tensors that required grad are
     fresh leaves, as a leaf made inside a local call would be."""
@@ -324,8 +458,11 @@ class Link:
     """One call's gradient on the caller: its arguments that require grad, and the graphs of
     its remote partitions' results (what :mod:`metadist.api` hands each remote reply to)."""
 
-    def __init__(self, world_token: object, compression: Any, key_base: int) -> None:
-        self.state = RemoteGradients(world_token, compression, key_base)
+    def __init__(
+        self, world_token: object, compression: Any, key_base: int, site: Any = None
+    ) -> None:
+        self.state = RemoteGradients(world_token, compression, key_base, site)
+        self.expects: dict[int, ahead.Expectation] = {}  # what each partition was told
         self.sources: list[torch.Tensor] = []
         self._where: dict[int, int] = {}
         self.positions: dict[int, list[int]] = {}
@@ -344,6 +481,17 @@ class Link:
         self.positions[index] = positions
         key = self.keys[index] = self.state.new_key() if sources else 0
         return key
+
+    def expect(self, index: int) -> ahead.Expectation | None:
+        """The gradients partition ``index``'s results can expect (see :mod:`metadist.ahead`),
+        for its request."""
+        site = self.state.site
+        if site is None or not self.keys.get(index):
+            return None
+        expect = ahead.expected(site, index)
+        if expect is not None:
+            self.expects[index] = expect
+        return expect
 
     def start(self) -> None:
         """Make the arguments' node (before the caller runs partitions of its own)."""
@@ -367,9 +515,11 @@ class Link:
         flat, spec = tree_flatten(
             transport.unwire_tree(reply.value) if reply.wired else reply.value
         )
-        self.state.graphs.append(
-            Graph(worker, self.keys[index], positions, len(reply.outputs), record)
-        )
+        key = self.keys[index]
+        self.state.graphs.append(Graph(worker, key, positions, len(reply.outputs), record, index))
+        if reply.ahead is not None and index in self.expects:
+            answer = [None if g is None else transport.unwire(g) for g in reply.ahead]
+            self.state.ready[key] = (self.expects[index], answer)
         held = _Held(flat, spec, reply.outputs)
         self._pending.append(held)
         return held

@@ -385,6 +385,23 @@ def encode(
     return new_args, new_kwargs, True, tuple(new_structures), sources
 
 
+def grad_sources(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
+    """The tensors that require grad among the arguments, modules' parameters included, once
+    each; ``None`` inside a torch.func transform."""
+    if _transforming():
+        return None
+    leaves, _ = flatten_arguments(args, kwargs)
+    found: dict[int, torch.Tensor] = {}
+    for leaf in leaves:
+        if isinstance(leaf, nn.Module):
+            for p in leaf.parameters():
+                if p.requires_grad:
+                    found.setdefault(id(p), p)
+        elif isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            found.setdefault(id(leaf), leaf)
+    return list(found.values())
+
+
 def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise the error :func:`encode` would raise, for a partition that runs in-process.
 

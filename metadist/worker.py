@@ -25,7 +25,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from metadist import timeline, transport, world
+from metadist import ahead, timeline, transport, world
 from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from metadist.errors import RemoteFailure
 
@@ -91,6 +91,9 @@ class Request(NamedTuple):
     in_context: bool  # the caller is inside a distributed autograd context
     timed: bool
     release: tuple[int, ...]  # keys whose graphs the caller no longer needs
+    # The gradients the results that require grad will get, when the caller expects them: the
+    # backward then runs ahead, and its answer travels with the reply (see metadist.ahead).
+    expect: tuple[float | None, ...] | None = None
 
 
 class Reply(NamedTuple):
@@ -106,6 +109,7 @@ class Reply(NamedTuple):
     wired: bool
     start: float
     end: float
+    ahead: tuple[Any, ...] | None = None  # the leaves' gradients for the expected ones (wired)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,7 +336,7 @@ def run_partition(request: Request) -> Future[Any]:
 
 
 def _run_partition(request: Request) -> Any:
-    func, args, kwargs, decode, dtype, state, key, in_context, timed, _ = request
+    func, args, kwargs, decode, dtype, state, key, in_context, timed, _, expect = request
     start = timeline.now() if timed else 0.0
     world.use_process_threads()  # an RPC handler thread: see world.use_process_threads
     me = rpc.get_worker_info().name
@@ -352,9 +356,17 @@ def _run_partition(request: Request) -> Any:
             check_result(result)
         if attached:  # torch's distributed autograd links the tensors of the reply
             return Reply(result, (), False, (), False, start, timeline.now())
-        return _reply(result, leaves, key, dtype, start)
+        reply = _reply(result, leaves, key, dtype, start)
     except Exception as error:
         return RemoteFailure.capture(error, me, "call")
+    if expect is not None and reply.kept and dtype is None:
+        with _GRAPHS_LOCK:
+            graph = _GRAPHS.get(key)
+        found = None if graph is None else ahead.backward(graph[1], graph[0], expect)
+        if found is not None:
+            wired = tuple(None if g is None else transport.wire(g, None) for g in found)
+            reply = reply._replace(ahead=wired, end=timeline.now())
+    return reply
 
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]

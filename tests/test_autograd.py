@@ -555,9 +555,12 @@ def worker_memory_is_flat_over_many_calls(world_size: int) -> None:
             if i in (100, 999):
                 rss.append(md.remote_sync_call(max_rss_mb, partitioner=1)[0])
         # Only the graph of the last result, which `out` still holds, is kept (the release
-        # of each earlier one travelled with the next call).
+        # of each earlier one travelled with the next call); after a backward answered ahead
+        # (metadist.ahead: the same gradient, 1.0, every call), not even that one: the pass
+        # released it, as a local pass frees its graph.
         now = md.remote_sync_call(kept_graphs, partitioner=1)[0]
-        assert now == before + 1, f"worker 1 keeps {now} graphs, not {before} + 1"
+        want = before if backward else before + 1
+        assert now == want, f"backward={backward}: worker 1 keeps {now} graphs, not {want}"
         del out
         md.remote_sync_call(kept_graphs, partitioner=1)  # carries the last release
         kept = md.remote_sync_call(kept_graphs, partitioner=1)[0]
@@ -931,6 +934,145 @@ def context_passes_follow_torch_autograd(world_size: int) -> None:
 decorated_maml_loss = parallelize(partitioner=dim_partitioner(0), reducer=mean_reducer)(maml_loss)
 
 
+# ------------------------------------------------------------------------------------------
+# Answers ahead (metadist.ahead): once two first-order passes gave a call site's partitions the
+# same gradients, the next call's partitions run their backward with them right after their
+# forward; the backward pass uses those answers only if its gradients are the same, bit for bit.
+
+
+def ahead_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(m(x)).pow(2).mean()
+
+
+def ahead_loss_ctx(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(m(x)).pow(2).mean()
+
+
+def ahead_pair(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (x @ w).sin().pow(2).mean()
+
+
+HIDDEN = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+
+def ahead_hidden(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (torch.tanh(m(x)) * HIDDEN).pow(2).mean()  # HIDDEN: a tensor it was not given
+
+
+def _answered_here(result: torch.Tensor) -> bool:
+    """Whether a result computed on the caller had its backward run ahead."""
+    node = result.grad_fn  # metadist.autograd's _Probe, then _Ready
+    after = [n for n, _ in node.next_functions] if node is not None else []
+    return any(type(n).__name__ == "_ReadyBackward" for n in after)
+
+
+def answers_ahead_equal_requested_ones(world_size: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(12, 4)
+    scales = [1.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0]
+    # Gradient requests per step (to workers 1 and 2): none once two passes agreed; step 4's
+    # other gradient is answered by requests, and so are the steps until two agree again.
+    want_requests = [2, 2, 0, 0, 2, 2, 2, 0]
+    want_here = [False, False, True, True, True, False, False, True]  # run ahead (or tried)
+    for func, form in ((ahead_loss, "plain"), (ahead_loss_ctx, "context")):
+        model = nn.Linear(4, 3)
+        local = copy.deepcopy(model)
+        requests, here = [], []
+        for step, scale in enumerate(scales):
+            model.zero_grad(set_to_none=True)
+            local.zero_grad(set_to_none=True)
+            in_context = mag.context() if form == "context" else contextlib.nullcontext()
+            with md.timeline.record() as log, in_context as ctx:
+                results = remote_sync_call(func, args=(model, x), partitioner=dim_partitioner(0))
+                loss = torch.stack(results).mean() * scale
+                if ctx is None:
+                    loss.backward()
+                else:
+                    mag.backward(ctx, [loss])
+            requests.append(len(log.gradient_requests))
+            here.append(_answered_here(results[0]))
+            local_loss = torch.stack([func(local, c) for c in x.chunk(3)]).mean() * scale
+            local_loss.backward()
+            assert rel_err(loss.detach(), local_loss.detach()) <= 1e-6, (form, step)
+            for p, q in zip(model.parameters(), local.parameters(), strict=True):
+                assert rel_err(p.grad, q.grad) <= 1e-6, (form, step, rel_err(p.grad, q.grad))
+        assert requests == want_requests, (form, requests)
+        assert here == want_here, (form, here)
+
+
+def answers_ahead_keep_torch_pass_rules(world_size: int) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(12, 4)
+    w = torch.randn(4, requires_grad=True)
+    wl = w.detach().clone().requires_grad_(True)
+
+    def call(arg: torch.Tensor = w) -> torch.Tensor:
+        return remote_sync_call(
+            ahead_pair, args=(arg, x), partitioner=_Chunks([0, 1, 2]), reducer=mean_reducer
+        )
+
+    for _ in range(2):
+        call().backward()  # every partition's gradient is now expected: 1/3
+    w.grad = None
+    # retain_graph=True: a second pass gets the answers again, as locally.
+    with md.timeline.record() as log:
+        loss = call()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert log.gradient_requests == []
+    local = ahead_pair(wl, x)
+    local.backward(retain_graph=True)
+    local.backward()
+    assert rel_err(w.grad, wl.grad) <= 1e-6, rel_err(w.grad, wl.grad)  # type: ignore[arg-type]
+    # Without it, the second pass raises, as it does locally once the first freed the graph.
+    loss = call()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    # create_graph: computed through the kept graphs, differentiable again.
+    w.grad = wl.grad = None
+    (g,) = torch.autograd.grad(call(), w, create_graph=True)
+    (gl,) = torch.autograd.grad(ahead_pair(wl, x), wl, create_graph=True)
+    assert rel_err(g.detach(), gl.detach()) <= 1e-6
+    g.pow(2).sum().backward()
+    gl.pow(2).sum().backward()
+    assert rel_err(w.grad, wl.grad) <= 1e-6, rel_err(w.grad, wl.grad)  # type: ignore[arg-type]
+    # A non-leaf argument: the answers go on to the tensors it was computed from.
+    for _ in range(3):
+        w.grad = wl.grad = None
+        with md.timeline.record() as log:
+            call(w * 1.5).backward()
+        ahead_pair(wl * 1.5, x).backward()
+        assert rel_err(w.grad, wl.grad) <= 1e-6, rel_err(w.grad, wl.grad)  # type: ignore[arg-type]
+    assert log.gradient_requests == []
+    # A call whose result is not differentiated makes the site forget its gradients: the
+    # next call runs nothing ahead (it would be wasted if that one is not differentiated either).
+    out = call()
+    del out  # the graph goes now, and with it the site's gradients
+    with md.timeline.record() as log:
+        call().backward()
+    assert len(log.gradient_requests) == 2, log.gradient_requests
+
+
+def answers_ahead_leave_tensors_a_function_was_not_given(world_size: int) -> None:
+    torch.manual_seed(2)
+    x = torch.randn(12, 4)
+    model = nn.Linear(4, 3)
+    grads = []
+    for _ in range(4):
+        HIDDEN.grad = None
+        results = remote_sync_call(ahead_hidden, args=(model, x), partitioner=dim_partitioner(0))
+        torch.stack(results).mean().backward()
+        # The caller's own partition cannot be answered for the sources alone: it runs its
+        # backward in the pass, and HIDDEN gets its share as before (the workers' copies
+        # are theirs, as for any remote call).
+        assert not _answered_here(results[0])
+        assert HIDDEN.grad is not None
+        grads.append(HIDDEN.grad.clone())
+    assert all(torch.equal(g, grads[0]) for g in grads), grads
+    assert grads[0].abs().sum() > 0
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     backward_without_context_every_partitioner,
     issue_examples_are_exact,
@@ -958,6 +1100,9 @@ SCENARIOS: list[Callable[[int], Any]] = [
     grad_returns_new_tensors_and_never_double_counts,
     backward_accumulates_like_torch_autograd,
     context_passes_follow_torch_autograd,
+    answers_ahead_equal_requested_ones,
+    answers_ahead_keep_torch_pass_rules,
+    answers_ahead_leave_tensors_a_function_was_not_given,
 ]
 
 
