@@ -400,6 +400,14 @@ class _Ready(torch.autograd.Function):
         return (None, *found)
 
 
+def _shares_storage(result: torch.Tensor, sources: list[torch.Tensor]) -> bool:
+    try:
+        data = result.untyped_storage().data_ptr()
+        return any(s.untyped_storage().data_ptr() == data for s in sources)
+    except (RuntimeError, NotImplementedError):  # no plain storage (sparse, ...): not ahead
+        return True
+
+
 def _noted(site: Any, index: int, grad: torch.Tensor) -> None:
     if not torch.is_grad_enabled():  # first-order passes only
         ahead.note(site, index, (grad,))
@@ -416,8 +424,9 @@ def run_ahead(site: Any, index: int, result: Any, sources: list[torch.Tensor] | 
         sources is None
         or not sources
         or not isinstance(result, torch.Tensor)
-        or not result.requires_grad
+        or result.grad_fn is None  # not computed here: an argument, or a leaf it made
         or result.numel() != 1
+        or _shares_storage(result, sources)  # a view of an argument stays one, as locally
     ):
         return result
     expect = ahead.expected(site, index)

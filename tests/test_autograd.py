@@ -955,6 +955,14 @@ def ahead_pair(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 HIDDEN = nn.Parameter(torch.linspace(0.5, 1.5, 3))
 
 
+def ahead_first(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return w[0]  # a view of an argument (x only sets the partition)
+
+
+def ahead_fresh(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(2.0, requires_grad=True)  # a leaf made here, not from the arguments
+
+
 def ahead_hidden(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (torch.tanh(m(x)) * HIDDEN).pow(2).mean()  # HIDDEN: a tensor it was not given
 
@@ -1071,6 +1079,23 @@ def answers_ahead_leave_tensors_a_function_was_not_given(world_size: int) -> Non
         grads.append(HIDDEN.grad.clone())
     assert all(torch.equal(g, grads[0]) for g in grads), grads
     assert grads[0].abs().sum() > 0
+    # A result that is a view of an argument stays one, as locally (no answer ahead for it).
+    w = torch.randn(4, requires_grad=True)
+    for _ in range(4):
+        w.grad = None
+        results = remote_sync_call(ahead_first, args=(w, x), partitioner=_Chunks([0, 1, 2]))
+        torch.stack(results).sum().backward()
+        assert not _answered_here(results[0])
+        assert results[0].untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        assert w.grad is not None
+        assert w.grad.tolist() == [3.0, 0.0, 0.0, 0.0]
+    # A leaf the function made stays that leaf, and gets its .grad, as locally.
+    for _ in range(4):
+        results = remote_sync_call(ahead_fresh, args=(w, x), partitioner=_Chunks([0, 1, 2]))
+        torch.stack(results).sum().backward()
+        assert results[0].is_leaf
+        assert results[0].grad is not None
+        assert results[0].grad.item() == 1.0
 
 
 SCENARIOS: list[Callable[[int], Any]] = [
