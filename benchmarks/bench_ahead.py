@@ -38,17 +38,13 @@ from metadist.network import free_loopback_port
 WARMUP = 20
 
 
-def _step(call: Any, model: torch.nn.Module, batch: tuple[torch.Tensor, ...], form: str) -> None:
-    if form == "plain":
-        call(model, *batch).backward()
-    else:
-        with metadist.autograd.context() as ctx:
-            metadist.autograd.backward(ctx, [call(model, *batch)])
+STEPS = {"plain": workload.step_metadist, "context": workload.step_metadist_context}
 
 
-def _grads(call: Any, model: torch.nn.Module, batch: tuple[torch.Tensor, ...], form: str) -> Any:
-    model.zero_grad(set_to_none=True)
-    _step(call, model, batch, form)
+def _grads(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], form: str) -> torch.Tensor:
+    """The step's meta-gradient (the Adam step skipped: lr 0)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    STEPS[form](model, opt, batch)
     return torch.cat([p.grad.flatten() for p in model.parameters()])  # type: ignore[union-attr]
 
 
@@ -59,9 +55,6 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
     def main() -> None:
         if rank != 0:
             return
-        call = metadist.parallelize(
-            partitioner=metadist.dim_partitioner(0), reducer=metadist.mean_reducer
-        )(workload.module_meta_loss)
         results: dict[str, Any] = {}
         for form in cfg["forms"]:
             for tasks in cfg["tasks"]:
@@ -69,20 +62,18 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
                 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
                 batch = workload.make_batch(tasks)
                 for _ in range(3):  # two passes agree: the next is answered ahead
-                    _grads(call, model, batch, form)
+                    _grads(model, batch, form)
                 ahead.ENABLED = False
-                off = _grads(call, model, batch, form)
+                off = _grads(model, batch, form)
                 ahead.ENABLED = True
-                _grads(call, model, batch, form)  # run ahead with the gradient of the pass before
-                on = _grads(call, model, batch, form)
+                _grads(model, batch, form)  # run ahead with the gradient of the pass before
+                on = _grads(model, batch, form)
                 error = ((on - off).norm() / off.norm()).item()
                 times: dict[bool, list[float]] = {False: [], True: []}
                 for i in range(WARMUP + 2 * cfg["steps"]):
                     ahead.ENABLED = enabled = bool(i % 2)
                     start = time.perf_counter()
-                    opt.zero_grad()
-                    _step(call, model, batch, form)
-                    opt.step()
+                    STEPS[form](model, opt, batch)
                     if i >= WARMUP:
                         times[enabled].append(time.perf_counter() - start)
                 ahead.ENABLED = True
