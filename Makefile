@@ -77,6 +77,7 @@ bench: bench-deps
 	$(PY) benchmarks/bench_breakdown.py
 	$(PY) benchmarks/bench_breakdown.py --form context
 	$(PY) benchmarks/bench_ahead.py
+	$(PY) benchmarks/bench_retain.py
 	$(PY) benchmarks/bench_schedule.py --timeline runs/timeline
 	$(PY) benchmarks/bench_remote.py
 	$(PY) benchmarks/bench_optim.py

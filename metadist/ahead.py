@@ -25,7 +25,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENABLED", "backward", "expected", "forget", "note", "reaches_only", "same"]
+__all__ = [
+    "ENABLED",
+    "MAX_FORWARD_S",
+    "backward",
+    "expected",
+    "forget",
+    "note",
+    "reaches_only",
+    "same",
+    "worth",
+]
 
 Expectation = tuple[float | None, ...]
 
@@ -37,6 +47,18 @@ MAX_SITES = 1024
 #: Set to ``False`` on the caller to compute every backward in its pass (for measurements, or
 #: to free each worker's graph in the pass rather than with the next message).
 ENABLED = True
+#: A partition whose forward took longer runs its backward in the pass. Run ahead, a backward
+#: keeps its graph for a pass that may bring other gradients, so the saved tensors a pass
+#: would free as it goes stay taken and the backward's own tensors need fresh pages: 3-22 %
+#: slower on glibc (benchmarks/bench_retain.py), which outweighs the one round trip saved
+#: (1-3 ms) once the forward takes longer than a few round trips.
+MAX_FORWARD_S = 0.01
+
+
+def worth(forward_seconds: float) -> bool:
+    """Whether a partition whose forward took ``forward_seconds`` should run its backward
+    ahead (see :data:`MAX_FORWARD_S`)."""
+    return forward_seconds <= MAX_FORWARD_S
 
 
 def expected(site: Any, index: int) -> Expectation | None:

@@ -470,11 +470,13 @@ class _Call:
             self.telemetry.sent(index, self.own, 0)
         result = None
         try:
+            began = time.perf_counter()
             result = getattr(self.func, _ORIGINAL, self.func)(*args, **kwargs)
+            took = time.perf_counter() - began
             remote_worker.check_result(result)
             if self.site is not None and self.link is not None:
                 sources = transport.grad_sources(args, kwargs)
-                result = autograd.run_ahead(self.site, index, result, sources)
+                result = autograd.run_ahead(self.site, index, result, sources, took)
         except Exception as error:
             failure = RemoteFailure.capture(error, self.own, "call")
             raised = failure.to_exception(index, len(self.parts), self.func_name)

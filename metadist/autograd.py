@@ -413,9 +413,12 @@ def _noted(site: Any, index: int, grad: torch.Tensor) -> None:
         ahead.note(site, index, (grad,))
 
 
-def run_ahead(site: Any, index: int, result: Any, sources: list[torch.Tensor] | None) -> Any:
-    """Partition ``index`` of a call from ``site``, run here, returned ``result``: its backward
-    run now if its gradient is expected (:mod:`metadist.ahead`), else noted when it comes.
+def run_ahead(
+    site: Any, index: int, result: Any, sources: list[torch.Tensor] | None, took: float
+) -> Any:
+    """Partition ``index`` of a call from ``site``, run here, returned ``result`` after
+    ``took`` seconds: its backward run now if its gradient is expected and the forward was
+    short (:mod:`metadist.ahead`), else noted when it comes.
 
     ``sources``: the partition's arguments that require grad (``None`` inside a torch.func
     transform, where nothing is done).
@@ -429,7 +432,7 @@ def run_ahead(site: Any, index: int, result: Any, sources: list[torch.Tensor] | 
         or _shares_storage(result, sources)  # a view of an argument stays one, as locally
     ):
         return result
-    expect = ahead.expected(site, index)
+    expect = ahead.expected(site, index) if ahead.worth(took) else None
     found = None
     if expect is not None and ahead.reaches_only(result, sources):
         found = ahead.backward([result], sources, expect)

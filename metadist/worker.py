@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -352,14 +353,16 @@ def _run_partition(request: Request) -> Any:
             state.enter(stack)
             if in_context and not attached:
                 stack.enter_context(_watch_rpc())
+            began = time.perf_counter()
             result = getattr(func, ORIGINAL, func)(*args, **kwargs)
+            took = time.perf_counter() - began
             check_result(result)
         if attached:  # torch's distributed autograd links the tensors of the reply
             return Reply(result, (), False, (), False, start, timeline.now())
         reply = _reply(result, leaves, key, dtype, start)
     except Exception as error:
         return RemoteFailure.capture(error, me, "call")
-    if expect is not None and reply.kept and dtype is None:
+    if expect is not None and reply.kept and dtype is None and ahead.worth(took):
         with _GRAPHS_LOCK:
             graph = _GRAPHS.get(key)
         found = None if graph is None else ahead.backward(graph[1], graph[0], expect)

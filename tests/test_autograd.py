@@ -1098,6 +1098,32 @@ def answers_ahead_leave_tensors_a_function_was_not_given(world_size: int) -> Non
         assert results[0].grad.item() == 1.0
 
 
+def ahead_slow(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    time.sleep(1.5 * md.ahead.MAX_FORWARD_S)  # a forward too long to be worth running ahead
+    return torch.tanh(m(x)).pow(2).mean()
+
+
+def answers_ahead_only_after_short_forwards(world_size: int) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(12, 4)
+    model = nn.Linear(4, 3)
+    local = copy.deepcopy(model)
+    requests, here = [], []
+    for _ in range(4):  # two passes agree, yet every step sends its requests
+        model.zero_grad(set_to_none=True)
+        local.zero_grad(set_to_none=True)
+        with md.timeline.record() as log:
+            results = remote_sync_call(ahead_slow, args=(model, x), partitioner=dim_partitioner(0))
+            torch.stack(results).mean().backward()
+        requests.append(len(log.gradient_requests))
+        here.append(_answered_here(results[0]))
+        torch.stack([ahead_loss(local, c) for c in x.chunk(3)]).mean().backward()
+        for p, q in zip(model.parameters(), local.parameters(), strict=True):
+            assert rel_err(p.grad, q.grad) <= 1e-6, rel_err(p.grad, q.grad)
+    assert requests == [2, 2, 2, 2], requests
+    assert here == [False] * 4, here
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     backward_without_context_every_partitioner,
     issue_examples_are_exact,
@@ -1128,6 +1154,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     answers_ahead_equal_requested_ones,
     answers_ahead_keep_torch_pass_rules,
     answers_ahead_leave_tensors_a_function_was_not_given,
+    answers_ahead_only_after_short_forwards,
 ]
 
 
