@@ -11,8 +11,9 @@ kept for that). So the result is the same computation on the same numbers either
 moves is the time at which it runs, from the backward into the forward, where the caller
 would otherwise wait for the workers.
 
-Results of one element only (a loss); the expectation is a float per result that requires
-grad, ``None`` where the result got no gradient. A call site is what the caller makes of a call
+Results of one element only (a loss), from a forward short enough for it to pay
+(:data:`MAX_FORWARD_S`); the expectation is a float per result that requires grad, ``None``
+where the result got no gradient. A call site is what the caller makes of a call
 (its function, partition sizes and count), and a partition its index there.
 """
 
@@ -49,7 +50,7 @@ MAX_SITES = 1024
 ENABLED = True
 #: A partition whose forward took longer runs its backward in the pass. Run ahead, a backward
 #: keeps its graph for a pass that may bring other gradients, so the saved tensors a pass
-#: would free as it goes stay taken and the backward's own tensors need fresh pages: 3-22 %
+#: would free as it goes stay taken and the backward's own tensors need fresh pages: up to 22 %
 #: slower on glibc (benchmarks/bench_retain.py), which outweighs the one round trip saved
 #: (1-3 ms) once the forward takes longer than a few round trips.
 MAX_FORWARD_S = 0.01
