@@ -137,8 +137,6 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
                         step(model, opt, batch)
                         if b >= warm and (block == 1 or j > 0):
                             times[enabled].append(time.perf_counter() - start)
-                switch(True)
-                set_max_forward(default)
                 results[f"conv {form}" if conv else f"{form} {tasks}"] = {
                     "off": times[False],
                     "on": times[True],

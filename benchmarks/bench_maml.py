@@ -409,7 +409,7 @@ def main() -> None:
     # Every variant once per round, in turn: the machine's drift then meets them all alike, and
     # each ratio below is the median of its per-round ratios.
     times: dict[str, list[float]] = {v.key: [] for v in plan}
-    rounds: dict[str, list[float]] = {v.key: [] for v in plan}
+    rounds: dict[str, list[float | None]] = {v.key: [] for v in plan}  # None: it failed
     rel_errs: dict[str, float] = {}
     for _ in range(args.rounds):
         for v in plan:
@@ -420,19 +420,18 @@ def main() -> None:
                 got = None if res is None else list(res["times"])  # type: ignore[call-overload]
                 if res is not None:
                     rel_errs[v.key] = float(res["grad_rel_err"])  # type: ignore[arg-type]
-            if got is not None:
-                times[v.key] += got
-                rounds[v.key].append(statistics.median(got))
+            times[v.key] += got or []
+            rounds[v.key].append(statistics.median(got) if got else None)
     torch.set_num_threads(cores)
     for v in plan:
         if times[v.key]:
             print(f"({v.key[:3]:<3}) {v.label:<38} {fmt(times[v.key])}", flush=True)
-    med = {key for key, r in rounds.items() if r}  # the variants that ran
+    med = {key for key, got in times.items() if got}  # the variants that ran
 
     def ratio(a: str, b: str) -> float:
         """Median over rounds of time(a) / time(b) (rounds where both ran)."""
-        pairs = [x / y for x, y in zip(rounds[a], rounds[b], strict=False)]
-        return statistics.median(pairs)
+        pairs = [x / y for x, y in zip(rounds[a], rounds[b], strict=True) if x and y]
+        return statistics.median(pairs) if pairs else float("nan")
 
     print()
     for key, err in rel_errs.items():
