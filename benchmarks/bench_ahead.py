@@ -73,13 +73,6 @@ def conv_steps() -> dict[str, Step]:
     return {"plain": plain, "context": context}
 
 
-def conv_workload() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    import bench_maml
-
-    net, b = bench_maml.workload()
-    return net, (b.x_spt, b.y_spt, b.x_qry, b.y_qry)
-
-
 def _grads(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], step: Step) -> torch.Tensor:
     """The step's meta-gradient (the Adam step skipped: lr 0)."""
     step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch)
@@ -112,7 +105,9 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
         for form in cfg["forms"]:
             for tasks in [8] if conv else cfg["tasks"]:
                 if conv:
-                    model, batch = conv_workload()
+                    import bench_maml
+
+                    model, batch = bench_maml.workload_tensors()
                 else:
                     model, batch = workload.make_model(), workload.make_batch(tasks)
                 opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -72,6 +72,12 @@ def workload() -> tuple[nn.Module, FewShotBatch]:
     return net, batch
 
 
+def workload_tensors() -> tuple[nn.Module, tuple[Tensor, ...]]:
+    """:func:`workload`, its batch as the four tensors the loss takes."""
+    net, b = workload()
+    return net, (b.x_spt, b.y_spt, b.x_qry, b.y_qry)
+
+
 def flat_grad(net: nn.Module) -> Tensor:
     """All parameter gradients as one vector."""
     return torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None])

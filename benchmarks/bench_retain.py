@@ -48,13 +48,12 @@ def _workload(kind: str, tasks: int, rank: int) -> tuple[Any, torch.nn.Module, l
     if kind == "conv":
         import bench_maml
 
-        net, b = bench_maml.workload()
-        batch = [b.x_spt, b.y_spt, b.x_qry, b.y_qry]
+        net, batch = bench_maml.workload_tensors()
         loss_fn: Any = bench_maml._metadist_loss
     else:
         import bench_overhead
 
-        net, batch = bench_overhead.make_model(), list(bench_overhead.make_batch(tasks))
+        net, batch = bench_overhead.make_model(), bench_overhead.make_batch(tasks)
         loss_fn = bench_overhead.module_meta_loss
     return loss_fn, net, [torch.tensor_split(t, 2)[rank] for t in batch]
 
