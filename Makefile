@@ -76,6 +76,8 @@ bench: bench-deps
 	$(PY) benchmarks/bench_overhead.py --plot docs/img/overhead-speedup.png
 	$(PY) benchmarks/bench_breakdown.py
 	$(PY) benchmarks/bench_breakdown.py --form context
+	$(PY) benchmarks/bench_breakdown.py --workload conv --steps 16
+	$(PY) benchmarks/bench_context.py
 	$(PY) benchmarks/bench_ahead.py
 	$(PY) benchmarks/bench_retain.py
 	$(PY) benchmarks/bench_schedule.py --timeline runs/timeline

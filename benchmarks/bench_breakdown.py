@@ -19,8 +19,14 @@ without tensors and with the step's request arguments (the parameters and the wo
 the batch, as tensors), and the worker's half of the step (forward, then backward) run alone
 on rank 0 while rank 1 idles.
 
+``--workload conv`` runs ``bench_maml``'s convolutional MAML step instead (8 tasks, a per-task
+loop; ``--tasks`` is ignored). Its forward is longer than ``metadist.ahead.MAX_FORWARD_S``, so its
+backward runs in the pass, and the rows at the end show the step's shape: how long the worker
+idles between its reply and the gradient request, how long the caller runs its own backward,
+and how long it then waits for the worker's answer.
+
 Run: ``python benchmarks/bench_breakdown.py`` (``--tasks 2,25``, ``--steps``, ``--form``,
-``--no-ahead``).
+``--no-ahead``, ``--workload conv --steps 12``).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_overhead as workload
 
 import metadist
-from metadist import ahead
+from metadist import ahead, autograd
 from metadist import worker as remote_worker
 from metadist.network import free_loopback_port
 
@@ -72,13 +78,24 @@ def _around(owner: Any, name: str, label: str) -> None:
     setattr(owner, name, wrapped)
 
 
+_LOSS: list[Any] = [workload.module_meta_loss]  # the workload's, set per process by _child
+
+
 def timed_loss(*args: Any) -> Any:
-    """The partition's function: ``bench_overhead.module_meta_loss`` between two marks."""
+    """The partition's function: the workload's loss between two marks."""
     _mark("fn<")
     try:
-        return workload.module_meta_loss(*args)
+        return _LOSS[0](*args)
     finally:
         _mark("fn>")
+
+
+def _workload(kind: str, tasks: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    if kind == "conv":
+        import bench_maml
+
+        return bench_maml.workload_tensors()
+    return workload.make_model(), workload.make_batch(tasks)
 
 
 def _instrument() -> None:
@@ -86,6 +103,7 @@ def _instrument() -> None:
     _around(rpc_api._default_pickler, "deserialize", "unpickle")
     _around(remote_worker, "_vjp", "vjp")
     _around(ahead, "backward", "ahead")
+    _around(autograd.RemoteGradients, "collect", "collect")
 
 
 def noop(*_: Any) -> int:
@@ -100,7 +118,9 @@ def marks() -> list[tuple[str, float]]:
     return _MARKS
 
 
-def _floors(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, float]:
+def _floors(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, ...], repeats: int
+) -> dict[str, float]:
     half = [torch.tensor_split(t, 2)[1] for t in batch]
     tensors = [p.detach() for p in model.parameters()] + half
     out = {}
@@ -112,21 +132,26 @@ def _floors(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str
             times.append(time.perf_counter() - start)
         out[label] = statistics.median(times[20:]) * 1e3
     forward, backward = [], []
-    for _ in range(60):
+    for _ in range(repeats):
         start = time.perf_counter()
-        loss = workload.module_meta_loss(model, *half)
+        loss = _LOSS[0](model, *half)
         middle = time.perf_counter()
         loss.backward()
         forward.append(middle - start)
         backward.append(time.perf_counter() - middle)
-    out["forward"] = statistics.median(forward[10:]) * 1e3
-    out["backward"] = statistics.median(backward[10:]) * 1e3
+    out["forward"] = statistics.median(forward[repeats // 6 :]) * 1e3
+    out["backward"] = statistics.median(backward[repeats // 6 :]) * 1e3
     return out
 
 
 def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
     workload._env(rank, 2, port)
     _instrument()
+    warmup = WARMUP
+    if cfg["workload"] == "conv":
+        import bench_maml
+
+        _LOSS[0], warmup = bench_maml._metadist_loss, 3
 
     @metadist.auto_init_rpc()
     def main() -> None:
@@ -138,11 +163,10 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
         )(timed_loss)
         results: dict[str, Any] = {}
         for tasks in cfg["tasks"]:
-            model = workload.make_model()
+            model, batch = _workload(cfg["workload"], tasks)
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-            batch = workload.make_batch(tasks)
-            for i in range(WARMUP + cfg["steps"]):
-                if i == WARMUP:
+            for i in range(warmup + cfg["steps"]):
+                if i == warmup:
                     clear_marks()
                     rpc.rpc_sync(1, clear_marks)
                 _mark("step<")
@@ -163,7 +187,7 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
             results[str(tasks)] = {
                 "caller": list(_MARKS),
                 "worker": theirs,
-                "floors": _floors(model, batch),
+                "floors": _floors(model, batch, 6 if cfg["workload"] == "conv" else 60),
             }
         Path(out).write_text(json.dumps(results))
 
@@ -198,6 +222,14 @@ INTERVALS = [
     ("worker: pickle the answer", (W, "vjp>", 0), (W, "pickle>", 1)),
     ("wire: answer to caller (RPC)", (W, "pickle>", 1), (C, "unpickle<", 1)),
     ("caller: answer applied, backward returns", (C, "unpickle<", 1), (C, "backward>", 0)),
+    ("caller: waits for the worker's reply", (C, "fn>", 0), (C, "unpickle<", 0)),
+    ("worker: idle from its reply to the gradient request", (W, "pickle>", 0), (W, "unpickle<", 1)),
+    (
+        "caller: own backward, request sent until it needs answers",
+        (C, "pickle>", 1),
+        (C, "collect<", 0),
+    ),
+    ("caller: waits for the worker's answer", (C, "collect<", 0), (C, "collect>", 0)),
     ("forward (call returns)", (C, "step<", 0), (C, "forward>", 0)),
     ("backward", (C, "forward>", 0), (C, "backward>", 0)),
     ("Adam step", (C, "backward>", 0), (C, "step>", 0)),
@@ -254,6 +286,7 @@ def main() -> None:
     parser.add_argument("--tasks", default="2,25", help="tasks per meta-batch")
     parser.add_argument("--steps", type=int, default=200, help="timed steps")
     parser.add_argument("--form", choices=("plain", "context"), default="plain")
+    parser.add_argument("--workload", choices=("sinusoid", "conv"), default="sinusoid")
     parser.add_argument(
         "--no-ahead", action="store_true", help="every backward in its pass (metadist.ahead)"
     )
@@ -264,7 +297,10 @@ def main() -> None:
         "steps": args.steps,
         "form": args.form,
         "ahead": not args.no_ahead,
+        "workload": args.workload,
     }
+    if args.workload == "conv":
+        cfg["tasks"] = [8]  # bench_maml's batch
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "marks.json")
         mp.start_processes(

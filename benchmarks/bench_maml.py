@@ -11,6 +11,9 @@ is forward, backward and the Adam meta-step; the median over ``--repeats`` steps
        (W = 2, plus 4 and 8 where the machine has that many cores), ``loss.backward()``;
 * (k)  the same on 2 workers in the torchopt form: ``metadist.autograd.context()`` and
        ``metadist.autograd.backward`` (ran in the same run as (c), for the ratio of the forms);
+* (l)  the limit: 2 processes under torchrun, each its half of the tasks and its own Adam
+       step on its half's gradient, no communication but a barrier ending each step; the best
+       any 2-worker variant can do on this machine (the efficiency ceiling);
 * (d)  ``torchopt.distributed`` 0.7.3 on 2 workers, written the way its docs and distributed
        MAML example do it: ``RRef(module_clone(net, by='copy'))`` and one task per call. It is
        imported from ``.bench-deps/torchopt`` (never installed into the project environment)::
@@ -206,16 +209,19 @@ def role_metadist(args: argparse.Namespace) -> None:
 
 
 def role_spmd(args: argparse.Namespace) -> None:
-    """(e) the learn2learn pattern: each worker its chunk, a local backward, an all-reduce."""
+    """(e) the learn2learn pattern: each worker its chunk, a local backward, an all-reduce;
+    (l) the limit: the same without the all-reduce (each worker steps on its own half's
+    gradient), a barrier ending every step, so that a step takes what the slower half takes."""
     import torch.distributed as dist
 
+    limit = args.role == "limit"
     configure_threads()
     dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         net, b = workload()
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-        reference = reference_meta_grad(net, b) if rank == 0 else None
+        reference = reference_meta_grad(net, b) if rank == 0 and not limit else None
         tensors = (b.x_spt, b.y_spt, b.x_qry, b.y_qry)
         mine = [torch.tensor_split(t, world)[rank] for t in tensors]
         weight = len(mine[0]) / len(tensors[0])  # the global mean, whatever the split
@@ -223,6 +229,8 @@ def role_spmd(args: argparse.Namespace) -> None:
         def step() -> None:
             opt.zero_grad()
             (_metadist_loss(net, *mine) * weight).backward()
+            if limit:
+                return
             grads = [q.grad for q in net.parameters() if q.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
@@ -231,11 +239,19 @@ def role_spmd(args: argparse.Namespace) -> None:
 
         step()
         got = flat_grad(net)
-        times = time_steps(lambda: (step(), opt.step()), args.repeats, args.warmup)
+
+        def timed() -> None:
+            step()
+            opt.step()
+            if limit:
+                dist.barrier()
+
+        times = time_steps(timed, args.repeats, args.warmup)
         if rank == 0:
-            assert reference is not None
-            rel = ((got - reference).norm() / reference.norm()).item()
-            Path(args.json).write_text(json.dumps({"times": times, "grad_rel_err": rel}))
+            result: dict[str, object] = {"times": times}
+            if reference is not None:
+                result["grad_rel_err"] = ((got - reference).norm() / reference.norm()).item()
+            Path(args.json).write_text(json.dumps(result))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -364,6 +380,8 @@ def _plan(variants: set[str], cores: int) -> list[Variant]:
         plan.append(Variant("k", "metadist", 2, env, "metadist, 2 workers, context form"))
     if "e" in variants:
         plan.append(Variant("e", "spmd", 2, None, "SPMD all-reduce, 2 workers"))
+    if "l" in variants:
+        plan.append(Variant("l", "limit", 2, None, "the limit: 2 processes, half each"))
     # (d1): torchopt with the malloc setting metadist applies itself (see the docs'
     # performance page), so that the comparison isolates the rest of the design.
     if "d" in variants:
@@ -382,7 +400,9 @@ def main() -> None:
     p.add_argument("--variants", default="a,a2,b,b2,c,k,e,d,d1", help="comma-separated subset")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun world")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every variant")
-    p.add_argument("--role", choices=("metadist", "torchopt", "spmd"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--role", choices=("metadist", "torchopt", "spmd", "limit"), help=argparse.SUPPRESS
+    )
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.role == "metadist":
@@ -391,7 +411,7 @@ def main() -> None:
     if args.role == "torchopt":
         role_torchopt(args)
         return
-    if args.role == "spmd":
+    if args.role in ("spmd", "limit"):
         role_spmd(args)
         return
 
@@ -424,7 +444,7 @@ def main() -> None:
             else:
                 res = run_world(v.role, v.workers, args, v.env)
                 got = None if res is None else list(res["times"])  # type: ignore[call-overload]
-                if res is not None:
+                if res is not None and "grad_rel_err" in res:
                     rel_errs[v.key] = float(res["grad_rel_err"])  # type: ignore[arg-type]
             times[v.key] += got or []
             rounds[v.key].append(statistics.median(got) if got else None)
@@ -474,6 +494,14 @@ def main() -> None:
             f"SPMD W=2 (e): parallel efficiency {eff:.2f}; time(e) / time(c) = "
             f"{ratio('e', 'c2'):.2f}x  (target: metadist no slower, >= 1.0)"
         )
+    if "l" in med:
+        parts = (
+            [f"parallel efficiency {ratio('a', 'l') / 2:.2f} (the ceiling)"] if "a" in med else []
+        )
+        parts += [
+            f"time({k}) / time(l) = {ratio(k, 'l'):.2f}x" for k in ("c2", "k", "e") if k in med
+        ]
+        print("the limit (l): " + "; ".join(parts))
     if "c2" in med and "d" in med:
         print(f"time(d) / time(c) = {ratio('d', 'c2'):.2f}x  (target >= 1.35)")
     if "c2" in med and "d1" in med:
