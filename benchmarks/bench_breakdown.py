@@ -21,9 +21,10 @@ on rank 0 while rank 1 idles.
 
 ``--workload conv`` runs ``bench_maml``'s convolutional MAML step instead (8 tasks, a per-task
 loop; ``--tasks`` is ignored). Its forward is longer than ``metadist.ahead.MAX_FORWARD_S``, so its
-backward runs in the pass, and the rows at the end show the step's shape: how long the worker
-idles between its reply and the gradient request, how long the caller runs its own backward,
-and how long it then waits for the worker's answer.
+backward runs in the pass, and the four rows before the totals show the step's shape: how long
+the caller waits for the reply after its own forward (negative: the reply came first), how long
+the worker idles between its reply and the gradient request, how long the caller runs its own
+backward, and how long it then waits for the worker's answer.
 
 Run: ``python benchmarks/bench_breakdown.py`` (``--tasks 2,25``, ``--steps``, ``--form``,
 ``--no-ahead``, ``--workload conv --steps 12``).
@@ -224,11 +225,7 @@ INTERVALS = [
     ("caller: answer applied, backward returns", (C, "unpickle<", 1), (C, "backward>", 0)),
     ("caller: waits for the worker's reply", (C, "fn>", 0), (C, "unpickle<", 0)),
     ("worker: idle from its reply to the gradient request", (W, "pickle>", 0), (W, "unpickle<", 1)),
-    (
-        "caller: own backward, request sent until it needs answers",
-        (C, "pickle>", 1),
-        (C, "collect<", 0),
-    ),
+    ("caller: own backward, until it needs the answers", (C, "pickle>", 1), (C, "collect<", 0)),
     ("caller: waits for the worker's answer", (C, "collect<", 0), (C, "collect>", 0)),
     ("forward (call returns)", (C, "step<", 0), (C, "forward>", 0)),
     ("backward", (C, "forward>", 0), (C, "backward>", 0)),
