@@ -104,12 +104,7 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
         results: dict[str, Any] = {}
         for form in cfg["forms"]:
             for tasks in [8] if conv else cfg["tasks"]:
-                if conv:
-                    import bench_maml
-
-                    model, batch = bench_maml.workload_tensors()
-                else:
-                    model, batch = workload.make_model(), workload.make_batch(tasks)
+                _, model, batch = workload.step_workload(cfg["workload"], tasks)
                 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
                 step = steps[form]
                 switch(True)

@@ -91,14 +91,6 @@ def timed_loss(*args: Any) -> Any:
         _mark("fn>")
 
 
-def _workload(kind: str, tasks: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    if kind == "conv":
-        import bench_maml
-
-        return bench_maml.workload_tensors()
-    return workload.make_model(), workload.make_batch(tasks)
-
-
 def _instrument() -> None:
     _around(rpc_api._default_pickler, "serialize", "pickle")
     _around(rpc_api._default_pickler, "deserialize", "unpickle")
@@ -148,11 +140,9 @@ def _floors(
 def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
     workload._env(rank, 2, port)
     _instrument()
-    warmup = WARMUP
-    if cfg["workload"] == "conv":
-        import bench_maml
-
-        _LOSS[0], warmup = bench_maml._metadist_loss, 3
+    # Both processes run the loss; rank 0 also builds the model and batch below.
+    _LOSS[0] = workload.step_workload(cfg["workload"], 1)[0]
+    warmup = 3 if cfg["workload"] == "conv" else WARMUP
 
     @metadist.auto_init_rpc()
     def main() -> None:
@@ -164,7 +154,7 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
         )(timed_loss)
         results: dict[str, Any] = {}
         for tasks in cfg["tasks"]:
-            model, batch = _workload(cfg["workload"], tasks)
+            _, model, batch = workload.step_workload(cfg["workload"], tasks)
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
             for i in range(warmup + cfg["steps"]):
                 if i == warmup:

@@ -149,19 +149,15 @@ def main() -> None:
         print(f"backward of one MAML loss, world of 1, 1 thread; torch {torch.__version__}")
         print("ms per backward: median [p10-p90] and ratio to local; gradients equal bit for bit")
         print(f"{'workload':<16}" + "".join(f"{m:>31}" for m in MODES))
-        for tasks in (int(n) for n in args.tasks.split(",") if n):
-            net, batch = bench_overhead.make_model(), bench_overhead.make_batch(tasks)
-            loss_fn = functools.partial(bench_overhead.module_meta_loss, net, *batch)
-            times = measure(net, loss_fn, args.steps)
-            print(_row(f"sinusoid {tasks}", times), flush=True)
+        runs = [("sinusoid", int(n), args.steps) for n in args.tasks.split(",") if n]
         if args.conv_steps:
-            import bench_maml
-
-            conv, full = bench_maml.workload_tensors()
-            half = [torch.tensor_split(t, 2)[0] for t in full]
-            loss_fn = functools.partial(bench_maml._metadist_loss, conv, *half)
-            times = measure(conv, loss_fn, args.conv_steps)
-            print(_row(f"conv {len(half[0])} tasks", times), flush=True)
+            runs.append(("conv", 8, args.conv_steps))
+        for kind, tasks, steps in runs:
+            loss, net, batch = bench_overhead.step_workload(kind, tasks)
+            if kind == "conv":
+                batch = tuple(torch.tensor_split(t, 2)[0] for t in batch)  # a worker's half
+            times = measure(net, functools.partial(loss, net, *batch), steps)
+            print(_row(f"{kind} {len(batch[0])} tasks", times), flush=True)
 
     run()
 

@@ -115,6 +115,20 @@ def tensors_meta_loss(
     return meta_loss(dict(zip(names, values, strict=True)), xs, ys, xq, yq)
 
 
+def step_workload(
+    kind: str, tasks: int
+) -> tuple[Callable[..., Tensor], nn.Module, tuple[Tensor, ...]]:
+    """The loss, model and batch of a MAML step the other benchmarks time: this module's
+    sinusoid step on ``tasks`` tasks, or (``kind="conv"``) ``bench_maml``'s conv step on its 8
+    tasks, ``tasks`` ignored."""
+    if kind == "conv":
+        import bench_maml
+
+        net, batch = bench_maml.workload_tensors()
+        return bench_maml._metadist_loss, net, batch
+    return module_meta_loss, make_model(), make_batch(tasks)
+
+
 def flat_grad(model: nn.Module) -> Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
 

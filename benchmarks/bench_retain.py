@@ -45,16 +45,9 @@ WARMUP = 6
 
 
 def _workload(kind: str, tasks: int, rank: int) -> tuple[Any, torch.nn.Module, list[torch.Tensor]]:
-    if kind == "conv":
-        import bench_maml
+    import bench_overhead
 
-        net, batch = bench_maml.workload_tensors()
-        loss_fn: Any = bench_maml._metadist_loss
-    else:
-        import bench_overhead
-
-        net, batch = bench_overhead.make_model(), bench_overhead.make_batch(tasks)
-        loss_fn = bench_overhead.module_meta_loss
+    loss_fn, net, batch = bench_overhead.step_workload(kind, tasks)
     return loss_fn, net, [torch.tensor_split(t, 2)[rank] for t in batch]
 
 
