@@ -32,6 +32,7 @@ __all__ = [
     "backward",
     "expected",
     "forget",
+    "hooked",
     "note",
     "reaches_only",
     "same",
@@ -138,6 +139,16 @@ def backward(
     except Exception:
         return None
     return tuple(found)
+
+
+def hooked(sources: Sequence[torch.Tensor]) -> bool:
+    """Whether a source has tensor hooks (``register_hook``) or keeps its ``.grad``
+    (``retain_grad``). ``torch.autograd.grad`` runs both for the tensors it differentiates, and
+    a pass that goes on through those same tensors (the caller's own partition, answered
+    ahead, hands its answers on to them) would run them a second time."""
+    # ``_backward_hooks`` is where Tensor.register_hook keeps them (register_multi_grad_hook
+    # goes through it too); torch has no public way to ask.
+    return any(s._backward_hooks or s.retains_grad for s in sources)
 
 
 def reaches_only(output: torch.Tensor, sources: Sequence[torch.Tensor]) -> bool:

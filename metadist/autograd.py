@@ -430,6 +430,7 @@ def run_ahead(
         or result.grad_fn is None  # not computed here: an argument, or a leaf it made
         or result.numel() != 1
         or _shares_storage(result, sources)  # a view of an argument stays one, as locally
+        or ahead.hooked(sources)  # their hooks run once, in the pass, as locally
     ):
         return result
     expect = ahead.expected(site, index) if ahead.worth(took) else None

@@ -1145,6 +1145,81 @@ def answers_ahead_leave_tensors_a_function_was_not_given(world_size: int) -> Non
         assert results[0].grad.item() == 1.0
 
 
+def hooked_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(m(x)).pow(2).mean()  # a call site of its own: nothing expected yet
+
+
+def hooked_loss_ctx(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(m(x)).pow(2).mean()
+
+
+def _times_ten(g: torch.Tensor) -> torch.Tensor:
+    return g * 10
+
+
+def _clipped(g: torch.Tensor) -> torch.Tensor:
+    return g.clamp(-0.01, 0.01)
+
+
+@runs_ahead
+def answers_ahead_run_the_sources_hooks_once(world_size: int) -> None:
+    torch.manual_seed(4)
+    x = torch.randn(12, 4)
+    # Hooks on the parameters (gradient clipping, say): the caller's own partition would run
+    # them in a backward ahead and the pass again; it answers in the pass instead, and the
+    # workers, whose copies carry no hook, still answer ahead.
+    for func, form in ((hooked_loss, "plain"), (hooked_loss_ctx, "context")):
+        model = nn.Linear(4, 3)
+        local = copy.deepcopy(model)
+        for m in (model, local):
+            m.weight.register_hook(_times_ten)
+            m.bias.register_hook(_clipped)
+        calls: list[int] = []
+        model.weight.register_hook(lambda g, seen=calls: seen.append(g.numel()))
+        requests = []
+        for step in range(4):
+            model.zero_grad(set_to_none=True)
+            local.zero_grad(set_to_none=True)
+            calls.clear()
+            in_context = mag.context() if form == "context" else contextlib.nullcontext()
+            with md.timeline.record() as log, in_context as ctx:
+                results = remote_sync_call(func, args=(model, x), partitioner=dim_partitioner(0))
+                loss = torch.stack(results).mean()
+                if ctx is None:
+                    loss.backward()
+                else:
+                    mag.backward(ctx, [loss])
+            requests.append(len(log.gradient_requests))
+            torch.stack([func(local, c) for c in x.chunk(3)]).mean().backward()
+            for p, q in zip(model.parameters(), local.parameters(), strict=True):
+                assert rel_err(p.grad, q.grad) <= 1e-6, (form, step, rel_err(p.grad, q.grad))
+            assert calls == [12], (form, step, calls)  # once per pass, as locally
+            assert not _answered_here(results[0]), (form, step)
+        assert requests == [2, 2, 0, 0], (form, requests)
+    # A hook removed between the call and the pass does not run, and a non-leaf argument's
+    # retained .grad is written once, as locally.
+    w = torch.randn(4, requires_grad=True)
+    wl = w.detach().clone().requires_grad_(True)
+    for step in range(4):
+        w.grad = wl.grad = None
+        handle = w.register_hook(_times_ten)
+        loss = remote_sync_call(
+            ahead_pair, args=(w, x), partitioner=_Chunks([0, 1, 2]), reducer=mean_reducer
+        )
+        handle.remove()
+        loss.backward()
+        ahead_pair(wl, x).backward()
+        assert rel_err(w.grad, wl.grad) <= 1e-6, (step, rel_err(w.grad, wl.grad))  # type: ignore[arg-type]
+        a, al = w * 1.5, wl * 1.5
+        a.retain_grad()
+        al.retain_grad()
+        remote_sync_call(
+            ahead_pair, args=(a, x), partitioner=_Chunks([0, 1, 2]), reducer=mean_reducer
+        ).backward()
+        ahead_pair(al, x).backward()
+        assert rel_err(a.grad, al.grad) <= 1e-6, (step, rel_err(a.grad, al.grad))  # type: ignore[arg-type]
+
+
 def ahead_slow(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     time.sleep(1.5 * md.ahead.MAX_FORWARD_S)  # a forward too long to be worth running ahead
     return torch.tanh(m(x)).pow(2).mean()
@@ -1201,6 +1276,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     answers_ahead_equal_requested_ones,
     answers_ahead_keep_torch_pass_rules,
     answers_ahead_leave_tensors_a_function_was_not_given,
+    answers_ahead_run_the_sources_hooks_once,
     answers_ahead_only_after_short_forwards,
 ]
 
