@@ -19,9 +19,10 @@ where the result got no gradient. A call site is what the caller makes of a call
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,12 +30,12 @@ import torch
 __all__ = [
     "ENABLED",
     "MAX_FORWARD_S",
+    "answerable",
     "backward",
     "expected",
     "forget",
-    "hooked",
+    "hooks_off",
     "note",
-    "reaches_only",
     "same",
     "worth",
 ]
@@ -141,23 +142,28 @@ def backward(
     return tuple(found)
 
 
-def hooked(sources: Sequence[torch.Tensor]) -> bool:
-    """Whether a source has tensor hooks (``register_hook``) or keeps its ``.grad``
-    (``retain_grad``). ``torch.autograd.grad`` runs both for the tensors it differentiates, and
-    a pass that goes on through those same tensors (the caller's own partition, answered
-    ahead, hands its answers on to them) would run them a second time."""
-    # ``_backward_hooks`` is where Tensor.register_hook keeps them (register_multi_grad_hook
-    # goes through it too); torch has no public way to ask.
-    return any(s._backward_hooks or s.retains_grad for s in sources)
+def answerable(output: torch.Tensor, sources: Sequence[torch.Tensor]) -> bool:
+    """Whether answering ``output``'s backward ahead for ``sources``, the answers then handed on
+    to them in the pass, does what the pass would do through ``output``'s graph:
 
-
-def reaches_only(output: torch.Tensor, sources: Sequence[torch.Tensor]) -> bool:
-    """Whether every tensor that requires grad in ``output``'s graph is reached through
-    ``sources``: a backward answered for the sources alone then loses nothing (a function may
-    also use tensors it was not given, such as a global parameter)."""
+    * every source is a leaf: a non-leaf's history may reach another source (MAML's fast
+      weights passed beside the model), whose gradient ``torch.autograd.grad`` gives in full,
+      and the pass would send the non-leaf's share down that history again;
+    * no source has a tensor hook (``register_hook``): ``torch.autograd.grad`` runs it, and the
+      pass would run it again;
+    * every tensor that requires grad in the graph is a source (a function may also use one it
+      was not given, such as a global parameter, whose gradient the answers would lose);
+    * no module backward hook is on the way (``register_full_backward_hook`` on a module the
+      function was given): it would run in the forward, where one process runs it in the pass.
+    """
+    leaves = set()
+    for s in sources:
+        # ``_backward_hooks``: where Tensor.register_hook keeps a tensor's hooks
+        # (register_multi_grad_hook goes through it); torch has no public way to ask.
+        if s.grad_fn is not None or s._backward_hooks:
+            return False
+        leaves.add(id(s))
     # Nodes themselves, not their ids: held here, no id is reused for another node.
-    stops = {s.grad_fn for s in sources if s.grad_fn is not None}
-    leaves = {id(s) for s in sources if s.grad_fn is None}
     seen: set[Any] = set()
     stack = [output.grad_fn]
     while stack:
@@ -165,14 +171,29 @@ def reaches_only(output: torch.Tensor, sources: Sequence[torch.Tensor]) -> bool:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if node in stops:
-            continue
-        # A leaf's node. By type name: getattr(node, "variable", None) raises inside for every
-        # other node, which made the walk 1.8 times slower.
-        if type(node).__name__ == "AccumulateGrad":
+        # By type name: getattr(node, "variable", None) raises inside for every other node,
+        # which made the walk 1.8 times slower.
+        kind = type(node).__name__
+        if kind == "AccumulateGrad":
             if id(node.variable) not in leaves:  # type: ignore[attr-defined]
                 return False
             continue
+        if kind == "BackwardHookFunctionBackward":
+            return False
         for next_node, _ in node.next_functions:
             stack.append(next_node)
     return True
+
+
+@contextlib.contextmanager
+def hooks_off(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The tensor hooks of ``tensors`` taken off for the block, as their handles' ``remove``
+    takes them off, and put back in their order after it."""
+    held = [(hooks, list(hooks.items())) for t in tensors if (hooks := t._backward_hooks)]
+    for hooks, _ in held:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.update(items)

@@ -121,9 +121,9 @@ class RemoteGradients:
         self.retain = False  # keep the workers' graphs whatever the pass (see _second_order)
         self.passes = 0
         # Per graph key: the gradients expected and the answer the worker sent ahead for them;
-        # keys whose answer a pass used and freed.
+        # the results whose answer a pass used and freed (their positions in the graph's).
         self.ready: dict[int, tuple[ahead.Expectation, list[torch.Tensor | None]]] = {}
-        self.spent: set[int] = set()
+        self.spent: dict[int, set[int]] = {}
 
     def new_key(self) -> int:
         """A key no other graph on any worker has: this caller's rank, then a counter."""
@@ -141,13 +141,18 @@ class RemoteGradients:
                 ahead.note(self.site, graph.part, mine)
             if not any(g is not None for g in mine):
                 continue
-            if graph.key in self.spent:
+            reached = {i for i, g in enumerate(mine) if g is not None}
+            spent = self.spent.get(graph.key, set())
+            if reached & spent:
                 raise RuntimeError(SECOND_PASS)
             ready = self.ready.pop(graph.key, None) if not retain else self.ready.get(graph.key)
             if ready is not None and not create_graph and ahead.same(ready[0], mine):
                 if not retain:  # freed, as a local pass frees what it went through
-                    self.spent.add(graph.key)
-                    release(self.world_token, [(graph.worker, graph.key)])
+                    spent = self.spent[graph.key] = spent | reached
+                    # Once every result went through a pass: a result no pass reached yet
+                    # (a second loss) keeps the graph, which its own pass may still need.
+                    if len(spent) == graph.outputs:
+                        release(self.world_token, [(graph.worker, graph.key)])
                 answered.append((graph, mine, -1, ready[1], ()))
             else:
                 answer_key = self.new_key() if create_graph else -1
@@ -262,7 +267,8 @@ def _refuse_batched(grads: Sequence[torch.Tensor | None]) -> None:
 
 def _release_graphs(state: RemoteGradients) -> None:
     release(
-        state.world_token, [(g.worker, g.key) for g in state.graphs if g.key not in state.spent]
+        state.world_token,
+        [(g.worker, g.key) for g in state.graphs if len(state.spent.get(g.key, ())) < g.outputs],
     )
     if not state.passes and state.site is not None:
         ahead.forget(state.site)  # not differentiated: answers ahead would be wasted work
@@ -363,6 +369,9 @@ class _Ahead:
         self.sources = sources
         self.expect = expect
         self.found: tuple[torch.Tensor | None, ...] | None = found
+        # Changed in place since (an optimizer step before the pass): the pass computes the
+        # gradients from the kept graph, where torch raises if its saved tensors changed.
+        self.versions = [s._version for s in sources]
         self.probes: list[Any] = []  # see _Probe
 
 
@@ -384,17 +393,24 @@ class _Ready(torch.autograd.Function):
             raise RuntimeError(SECOND_PASS)
         retain = _retained(box.probes[0])
         create_graph = torch.is_grad_enabled()
-        if box.found is not None and not create_graph and ahead.same(box.expect, (grad,)):
+        if (
+            box.found is not None
+            and not create_graph
+            and ahead.same(box.expect, (grad,))
+            and [s._version for s in box.sources] == box.versions
+        ):
             found = box.found
         else:
-            found = torch.autograd.grad(
-                output,
-                box.sources,
-                grad,
-                retain_graph=retain,
-                create_graph=create_graph,
-                allow_unused=True,
-            )
+            # Hooks put on the sources since the call run once, in this pass, as locally.
+            with ahead.hooks_off(box.sources):
+                found = torch.autograd.grad(
+                    output,
+                    box.sources,
+                    grad,
+                    retain_graph=retain,
+                    create_graph=create_graph,
+                    allow_unused=True,
+                )
         if not retain:  # what the pass went through is freed, as in a local pass
             box.output = box.found = None
         return (None, *found)
@@ -430,12 +446,11 @@ def run_ahead(
         or result.grad_fn is None  # not computed here: an argument, or a leaf it made
         or result.numel() != 1
         or _shares_storage(result, sources)  # a view of an argument stays one, as locally
-        or ahead.hooked(sources)  # their hooks run once, in the pass, as locally
     ):
         return result
     expect = ahead.expected(site, index) if ahead.worth(took) else None
     found = None
-    if expect is not None and ahead.reaches_only(result, sources):
+    if expect is not None and ahead.answerable(result, sources):
         found = ahead.backward([result], sources, expect)
     if expect is None or found is None:
         result.register_hook(functools.partial(_noted, site, index))

@@ -84,16 +84,41 @@ def test_the_backward_is_the_one_a_pass_would_run() -> None:
     assert ahead.backward([torch.tensor(1.0)], [w], (1.0,)) is None  # no graph: it fails
 
 
-def test_the_walk_finds_tensors_a_function_was_not_given() -> None:
+def test_answerable_only_for_plain_leaves_that_are_the_whole_graph() -> None:
     model = nn.Linear(3, 2)
     hidden = torch.randn(2, requires_grad=True)
     x = torch.randn(4, 3)
     params = list(model.parameters())
-    assert ahead.reaches_only(model(x).sum(), params)
-    assert not ahead.reaches_only((model(x) * hidden).sum(), params)
-    assert ahead.reaches_only((model(x) * hidden).sum(), [*params, hidden])
-    # A non-leaf argument: the walk stops there (what lies behind is the caller's graph).
-    base = torch.randn(3, requires_grad=True)
-    arg = base * 2
-    assert ahead.reaches_only((model(x) * arg[:2]).sum(), [*params, arg])
-    assert not ahead.reaches_only((model(x) * arg[:2]).sum(), params)
+    assert ahead.answerable(model(x).sum(), params)
+    # A tensor the function was not given.
+    assert not ahead.answerable((model(x) * hidden).sum(), params)
+    assert ahead.answerable((model(x) * hidden).sum(), [*params, hidden])
+    # A non-leaf argument: its history may reach another argument (here it does).
+    fast = [p - 0.1 * torch.ones_like(p) for p in params]
+    out = torch.nn.functional.linear(x, fast[0], fast[1]).sum() + model(x).sum()
+    assert not ahead.answerable(out, [*params, *fast])
+    # A tensor hook on an argument, as long as it is there.
+    handle = params[0].register_hook(lambda g: g * 2)
+    assert not ahead.answerable(model(x).sum(), params)
+    handle.remove()
+    assert ahead.answerable(model(x).sum(), params)
+    # A module backward hook on the way.
+    hooked = nn.Linear(3, 2)
+    hooked.register_full_backward_hook(lambda m, gi, go: None)
+    assert not ahead.answerable(hooked(x).sum(), list(hooked.parameters()))
+
+
+def test_hooks_off_takes_them_off_for_the_block_only() -> None:
+    w = torch.ones(3, requires_grad=True)
+    order: list[str] = []
+    w.register_hook(lambda g: order.append("a") or g * 10)
+    w.register_hook(lambda g: order.append("b") or g + 1)
+    out = (w * 3).sum()
+    with ahead.hooks_off([w]):
+        (found,) = torch.autograd.grad(out, [w], retain_graph=True)
+    assert found.tolist() == [3.0, 3.0, 3.0]
+    assert order == []
+    out.backward()
+    assert w.grad is not None
+    assert w.grad.tolist() == [31.0, 31.0, 31.0]
+    assert order == ["a", "b"]

@@ -1161,6 +1161,13 @@ def _clipped(g: torch.Tensor) -> torch.Tensor:
     return g.clamp(-0.01, 0.01)
 
 
+BACKWARD_HOOK_RUNS: list[int] = []
+
+
+def _count_backward(m: nn.Module, grad_in: Any, grad_out: Any) -> None:
+    BACKWARD_HOOK_RUNS.append(1)
+
+
 @runs_ahead
 def answers_ahead_run_the_sources_hooks_once(world_size: int) -> None:
     torch.manual_seed(4)
@@ -1218,6 +1225,151 @@ def answers_ahead_run_the_sources_hooks_once(world_size: int) -> None:
         ).backward()
         ahead_pair(al, x).backward()
         assert rel_err(a.grad, al.grad) <= 1e-6, (step, rel_err(a.grad, al.grad))  # type: ignore[arg-type]
+    # A hook put on after the call, and a pass that brings another gradient (the answer
+    # ahead is computed again): the hook runs once, in the pass.
+    for step, scale in enumerate([1.0, 1.0, 1.0, 3.0]):
+        w.grad = wl.grad = None
+        loss = remote_sync_call(
+            ahead_pair, args=(w, x), partitioner=_Chunks([0, 1, 2]), reducer=mean_reducer
+        )
+        handles = [w.register_hook(_times_ten), wl.register_hook(_times_ten)]
+        (loss * scale).backward()
+        (ahead_pair(wl, x) * scale).backward()
+        for handle in handles:
+            handle.remove()
+        assert rel_err(w.grad, wl.grad) <= 1e-6, (step, rel_err(w.grad, wl.grad))  # type: ignore[arg-type]
+    # A module backward hook on the module the function gets runs once per pass, as locally,
+    # and not for a call never differentiated.
+    model = nn.Linear(4, 3)
+    model.register_full_backward_hook(_count_backward)
+    for step, scale in enumerate([1.0, 1.0, 1.0, 3.0, 0.0]):
+        BACKWARD_HOOK_RUNS.clear()
+        loss = remote_sync_call(
+            hooked_loss, args=(model, x), partitioner=_Chunks([0, 1, 2]), reducer=mean_reducer
+        )
+        if scale:
+            (loss * scale).backward()
+        del loss
+        # The caller's partition's; the workers' copies run theirs there.
+        assert ([1] if scale else []) == BACKWARD_HOOK_RUNS, (step, BACKWARD_HOOK_RUNS)
+
+
+class _SplitLast:
+    """One chunk of the last argument per entry of ``workers``, the others whole to each."""
+
+    def __init__(self, workers: list[int]) -> None:
+        self.workers = workers
+
+    def __call__(self, *args: Any) -> list[tuple[Any, Any, Any]]:
+        *whole, x = args
+        chunks = x.chunk(len(self.workers))
+        return [(k, (*whole, c), {}) for k, c in zip(self.workers, chunks, strict=True)]
+
+
+def fast_loss(m: nn.Module, fast: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.func.functional_call(m, fast, (x,)).tanh().pow(2).mean()
+
+
+def fast_weights(m: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One inner SGD step, differentiable (MAML's fast weights)."""
+    names, params = zip(*m.named_parameters(), strict=True)
+    grads = torch.autograd.grad(m(x).pow(2).mean(), params, create_graph=True)
+    return {n: p - 0.1 * g for n, p, g in zip(names, params, grads, strict=True)}
+
+
+def twice_loss(w: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (x @ (w * v)).sin().pow(2).mean()
+
+
+@runs_ahead
+def answers_ahead_leave_arguments_made_from_others_to_the_pass(world_size: int) -> None:
+    torch.manual_seed(5)
+    x, xs = torch.randn(12, 4), torch.randn(5, 4)
+    # MAML's fast weights passed beside the model: torch.autograd.grad would give the model's
+    # parameters their whole gradient, through the fast weights too, and the pass would send
+    # the fast weights' share down their history again.
+    model = nn.Linear(4, 3)
+    local = copy.deepcopy(model)
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        local.zero_grad(set_to_none=True)
+        results = remote_sync_call(
+            fast_loss, args=(model, fast_weights(model, xs), x), partitioner=_SplitLast([0, 1, 2])
+        )
+        torch.stack(results).mean().backward()
+        fast = fast_weights(local, xs)
+        torch.stack([fast_loss(local, fast, c) for c in x.chunk(3)]).mean().backward()
+        for p, q in zip(model.parameters(), local.parameters(), strict=True):
+            assert rel_err(p.grad, q.grad) <= 1e-6, (step, rel_err(p.grad, q.grad))
+        assert not _answered_here(results[0]), step
+    # An argument and a tensor computed from it, a loss scale that changes on the way.
+    w = torch.randn(4, requires_grad=True)
+    wl = w.detach().clone().requires_grad_(True)
+    for step, scale in enumerate([1.0, 1.0, 1.0, 1.0, 3.0, 1.0]):
+        w.grad = wl.grad = None
+        loss = remote_sync_call(
+            twice_loss, args=(w, w * 2, x), partitioner=_SplitLast([0, 1, 2]), reducer=mean_reducer
+        )
+        (loss * scale).backward()
+        (twice_loss(wl, wl * 2, x) * scale).backward()
+        assert rel_err(w.grad, wl.grad) <= 1e-6, (step, rel_err(w.grad, wl.grad))  # type: ignore[arg-type]
+
+
+def two_losses(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x @ w).sin().pow(2).mean(), (w**2).sum()  # two graphs, no saved tensor shared
+
+
+@runs_ahead
+def answers_ahead_keep_a_second_result_for_its_own_pass(world_size: int) -> None:
+    torch.manual_seed(6)
+    x = torch.randn(12, 4)
+    w = torch.randn(4, requires_grad=True)
+    wl = w.detach().clone().requires_grad_(True)
+    requests = []
+    for step in range(5):
+        w.grad = wl.grad = None
+        results = remote_sync_call(two_losses, args=(w, x), partitioner=_Chunks([0, 1, 2]))
+        local = [two_losses(wl, c) for c in x.chunk(3)]
+        with md.timeline.record() as log:
+            torch.stack([r[0] for r in results]).sum().backward()
+        requests.append(len(log.gradient_requests))
+        torch.stack([r[0] for r in local]).sum().backward()
+        if step >= 3:  # the other result afterwards, in a pass of its own: valid locally
+            torch.stack([r[1] for r in results]).sum().backward()
+            torch.stack([r[1] for r in local]).sum().backward()
+        assert rel_err(w.grad, wl.grad) <= 1e-6, (step, rel_err(w.grad, wl.grad))  # type: ignore[arg-type]
+    # The workers answered the first results ahead; step 3's pass through the others made the
+    # site's last two passes disagree, so step 4 asks again.
+    assert requests == [2, 2, 0, 0, 2], requests
+    # Through the answered result a second time: freed by the first pass, as locally.
+    results = remote_sync_call(two_losses, args=(w, x), partitioner=_Chunks([0, 1, 2]))
+    torch.stack([r[0] for r in results]).sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.stack([r[0] for r in results]).sum().backward()
+
+
+def deep_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x).pow(2).mean()
+
+
+@runs_ahead
+def answers_ahead_keep_in_place_errors(world_size: int) -> None:
+    torch.manual_seed(7)
+    x = torch.randn(12, 4)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    for step in range(5):
+        model.zero_grad()
+        results = remote_sync_call(deep_loss, args=(model, x), partitioner=dim_partitioner(0))
+        assert _answered_here(results[0]) == (step >= 2), step
+        if step < 3:
+            torch.stack(results).mean().backward()
+            continue
+        # A saved parameter changed in place before the pass: torch raises, as in one process
+        # (the answer ahead was computed with the old values).
+        with torch.no_grad():
+            model[2].weight.mul_(0.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.stack(results).mean().backward()
 
 
 def ahead_slow(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -1277,6 +1429,9 @@ SCENARIOS: list[Callable[[int], Any]] = [
     answers_ahead_keep_torch_pass_rules,
     answers_ahead_leave_tensors_a_function_was_not_given,
     answers_ahead_run_the_sources_hooks_once,
+    answers_ahead_leave_arguments_made_from_others_to_the_pass,
+    answers_ahead_keep_a_second_result_for_its_own_pass,
+    answers_ahead_keep_in_place_errors,
     answers_ahead_only_after_short_forwards,
 ]
 
