@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.nn.functional as F  # noqa: N812
 from _dist import Scenarios, run_scenarios
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -265,6 +266,45 @@ def _check_kernels(world_size: int) -> None:
         opt = DistributedOptimizer(cls, model.rrefs, **{"lr": 0.1, **kwargs})
         kernels = {kernel for _, kernel, _ in opt.describe().values()}
         assert kernels == {expected}, (cls.__name__, kwargs, kernels)
+
+
+def _check_kernels_unasked_follow_torch_optim(world_size: int) -> None:
+    """An unasked fused kernel only where it steps as torch.optim's default does: not on half
+    precision (torch's fused CPU SGD drifts there), and not for a sparse gradient (which the
+    fused kernels refuse): the owner then moves to the kernel torch.optim would use."""
+    torch.manual_seed(71)
+    base = torch.randn(256)
+    for dtype in (torch.bfloat16, torch.float16):
+        mine = base.to(dtype).requires_grad_(True)
+        theirs = base.to(dtype).requires_grad_(True)
+        opt = DistributedOptimizer(torch.optim.SGD, [rpc.RRef(mine)], lr=0.1, momentum=0.9)
+        ref = torch.optim.SGD([theirs], lr=0.1, momentum=0.9)
+        assert "fused" not in {k for _, k, _ in opt.describe().values()}, opt.describe()
+        for _ in range(6):
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [(mine.float() ** 3).sum()])
+                opt.step(cid)
+            ref.zero_grad()
+            (theirs.float() ** 3).sum().backward()
+            ref.step()
+        assert torch.equal(mine, theirs), (dtype, (mine.float() - theirs.float()).abs().max())
+    init = torch.randn(10, 3)
+    rows = [torch.tensor([1, 2, 2, 5]), torch.tensor([0, 5, 9]), torch.tensor([3, 3])]
+    for cls, kwargs in ((torch.optim.SGD, {"momentum": 0.9}), (torch.optim.Adagrad, {})):
+        mine = init.clone().requires_grad_(True)
+        theirs = init.clone().requires_grad_(True)
+        opt = DistributedOptimizer(cls, [rpc.RRef(mine)], lr=0.1, **kwargs)
+        ref = cls([theirs], lr=0.1, **kwargs)
+        assert {k for _, k, _ in opt.describe().values()} == {"fused"}
+        for i in rows:
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [F.embedding(i, mine, sparse=True).pow(2).sum()])
+                opt.step(cid)
+            ref.zero_grad()
+            F.embedding(i, theirs, sparse=True).pow(2).sum().backward()
+            ref.step()
+        assert "fused" not in {k for _, k, _ in opt.describe().values()}, opt.describe()
+        torch.testing.assert_close(mine, theirs, **TOL)
 
 
 def _window(
@@ -894,6 +934,7 @@ SCENARIOS = [
     _check_accumulation,
     _check_window_checkpoint,
     _check_kernels,
+    _check_kernels_unasked_follow_torch_optim,
     _check_load_resets_accumulation,
     _check_scaler,
     _check_clipping,

@@ -27,7 +27,9 @@ MODES = ("auto", "eager", "scripted")
 # Below this mean element count per parameter, torch's multi-tensor kernels beat a per-tensor loop
 # on CPU (measured: 100 x 1,000 Adam 1.1 ms vs 1.8 ms; 10 x 100,000 2.6 ms vs 0.9 ms).
 FOREACH_MAX_MEAN_NUMEL = 1 << 15
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Picked unasked only for these: on float16 and bfloat16, torch 2.13's fused CPU SGD does not
+# step as its per-tensor loop (torch.optim's default) does.
+_FUSED_DTYPES = (torch.float32, torch.float64)
 # Requests name the local optimizer by an int key, not by its RRef: an RRef argument costs extra
 # fork/ack messages on every call. The caller's RRef keeps the object alive; this table is weak.
 _LIVE: weakref.WeakValueDictionary[int, LocalOptimizer] = weakref.WeakValueDictionary()
@@ -115,6 +117,21 @@ class Group:
         self.optim = cls(params, **kwargs)
         if mode == "scripted":
             self.optim = script_functional_optimizer(self.optim)
+        # An unasked fused kernel, and how to make the group's optimizer without it.
+        self.unfuse: Any = None
+        if self.kernel == "fused" and fused is None:
+            kwargs.pop("fused")
+            self.unfuse = lambda: (eager_kernel(accepted, params, foreach, False), kwargs, cls)
+
+    def _unfused(self, params: list[Tensor]) -> None:
+        """From now on the kernel torch.optim would use: torch's fused kernels take no sparse
+        gradient (an embedding's), and torch.optim picks them only when asked. State kept."""
+        kernel, kwargs, cls = self.unfuse()
+        state, defaults = self.get("state"), self.get("defaults")
+        self.kernel, self.unfuse = kernel, None
+        self.optim = cls(params, **kwargs, **({kernel: True} if kernel != "single-tensor" else {}))
+        self.set("state", state)
+        self.set("defaults", defaults)
 
     def get(self, name: str) -> Any:  # ``state`` or ``defaults`` (scripted: by method)
         if self.mode == "scripted":
@@ -136,6 +153,8 @@ class Group:
 
     def step(self, params: list[Tensor], grads: list[Tensor | None]) -> None:
         if self.mode != "torch":
+            if self.unfuse is not None and any(g is not None and g.is_sparse for g in grads):
+                self._unfused(params)
             self.optim.step(grads)
             return
         # Set .grad for exactly the parameters with a gradient in this step and clear it after,
