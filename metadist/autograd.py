@@ -531,13 +531,16 @@ class Link:
         """A remote partition's reply: its ``.grad`` writes applied, its result returned, or
         held until :meth:`finish` links it."""
         positions = self.positions.get(index, [])
-        if reply.written:
-            with torch.no_grad():
-                for k, g in reply.written:
-                    source = self.sources[positions[k]]
-                    if source.is_leaf:  # a non-leaf's .grad is not kept locally either
-                        g = transport.unwire(g).to(source.dtype)  # noqa: PLW2901
-                        source.grad = g if source.grad is None else source.grad + g
+        for k, wired in reply.written:
+            source = self.sources[positions[k]]
+            g = transport.unwire(wired).to(source.dtype)
+            if source.is_leaf:
+                with torch.no_grad():
+                    source.grad = g if source.grad is None else source.grad + g
+            else:
+                # A backward inside the partition went on through the argument's history, in
+                # one process, to the leaves behind it (a chunk of a batch, adapted weights).
+                torch.autograd.backward([source], [g])
         if not reply.kept:
             return result_of(reply)
         flat, spec = tree_flatten(

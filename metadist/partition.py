@@ -382,10 +382,15 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         return columns, sizes
 
     def _pieces(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Sequence[torch.Tensor]:
-        if not self.exclusive:
+        if not self.exclusive and len(sizes) == 1:
             # One worker gets the batch itself (a world of 1 then runs on the caller's tensors).
-            return [tensor] if len(sizes) == 1 else tensor.split(sizes, dim)
-        return tensor.split(1, dim) if self.keepdim else tensor.unbind(dim)
+            return [tensor]
+        # Pieces of a tensor that requires grad stay its views under the caller's no_grad too,
+        # as the tensor itself is to a function that enables grad inside (an inner loop).
+        with torch.enable_grad():
+            if not self.exclusive:
+                return tensor.split(sizes, dim)
+            return tensor.split(1, dim) if self.keepdim else tensor.unbind(dim)
 
 
 def dim_partitioner(

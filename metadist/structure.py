@@ -135,12 +135,26 @@ class SendPlan:
         # makes deepcopy return None for them instead of copying their data).
         memo: dict[int, Any] = {id(t): None for t in (*params, *buffers)}
         for m in modules:
-            # A tensor attribute computed from the parameters (weight_norm's ``weight``) is not
-            # a leaf and cannot be deep-copied; its value is recomputed before each forward,
-            # so the skeleton keeps a detached copy.
-            for value in vars(m).values():
-                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                    memo[id(value)] = value.detach()
+            for attr, value in vars(m).items():
+                if attr in _REGISTERED:
+                    continue
+                for t in _tensors_in(value):
+                    if id(t) in memo:  # a parameter or buffer (an RNN's _flat_weights list)
+                        continue
+                    if t.grad_fn is not None:
+                        # Computed from the parameters (weight_norm's ``weight``): not a leaf,
+                        # cannot be deep-copied; its value is recomputed before each forward,
+                        # so the skeleton keeps a detached copy.
+                        memo[id(t)] = t.detach()
+                    elif t.requires_grad:
+                        raise TypeError(
+                            f"module argument {describe()} ({type(module).__qualname__}): "
+                            f"attribute {attr!r} of its {type(m).__qualname__} holds a tensor "
+                            f"that requires grad but is neither a parameter nor a buffer: a "
+                            f"worker's copy would keep its value of the first call and lose its "
+                            f"gradient. Make it an nn.Parameter (nn.ParameterList for a list), "
+                            f"or pass it as an argument"
+                        )
         try:
             skeleton = copy.deepcopy(module, memo)
             for m in skeleton.modules():  # sent per call: keep it out of the fingerprint
@@ -188,6 +202,21 @@ class SendPlan:
             modules[k]._buffers.get(name) is modules[k0]._buffers.get(name0)
             for k, name, k0, name0 in self.buffer_ties
         )
+
+
+# A module's own dicts of what it registered; every other attribute is captured with its structure.
+_REGISTERED = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a module attribute: itself, or inside lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
 
 
 def _same(slots: dict[str, Any], names: tuple[str, ...], objects: tuple[Any, ...]) -> bool:

@@ -112,7 +112,17 @@ class _Meta(_Wire):
 class _GradLeaf(_Wire):
     """A tensor that requires grad, travelling detached; the worker makes it a leaf that
     requires grad again (also under the caller's ``torch.no_grad()``, for an inner loop that
-    differentiates locally inside the remote function, as it would locally)."""
+    differentiates locally inside the remote function, as it would locally), an
+    ``nn.Parameter`` if it was one."""
+
+    tensor: Any
+    parameter: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Parameter(_Wire):
+    """An ``nn.Parameter`` that does not require grad: one again on the worker (a function may
+    assign it to a module, which takes nothing else)."""
 
     tensor: Any
 
@@ -368,7 +378,7 @@ def encode(
         elif isinstance(leaf, torch.Tensor):
             _refuse(leaf, (args, kwargs, i))
             if leaf.requires_grad and not attached:
-                leaves[i] = _GradLeaf(wire(leaf.detach(), dtype))
+                leaves[i] = _GradLeaf(wire(leaf.detach(), dtype), isinstance(leaf, nn.Parameter))
                 sources.append(leaf)
             elif isinstance(leaf, nn.Parameter):
                 sent = memo.tensors.get(id(leaf))
@@ -376,7 +386,7 @@ def encode(
                     # An alias is what distributed autograd links to the parameter.
                     t = torch.ops.aten.alias.default(leaf) if leaf.requires_grad else leaf.detach()
                     sent = memo.tensors[id(leaf)] = wire(t, dtype)
-                leaves[i] = sent
+                leaves[i] = sent if leaf.requires_grad else _Parameter(sent)
             else:
                 leaves[i] = wire(leaf, dtype)
         elif not is_plain(leaf):
@@ -458,9 +468,14 @@ def decode(
             flat[i] = _decode_module(leaf, made)
         elif isinstance(leaf, _GradLeaf):
             t = unwire(leaf.tensor)
-            flat[i] = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
+            if leaf.parameter:
+                flat[i] = nn.Parameter(t)
+            else:
+                flat[i] = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
             if made is not None:
                 made.append(flat[i])
+        elif isinstance(leaf, _Parameter):
+            flat[i] = nn.Parameter(unwire(leaf.tensor), requires_grad=False)
         else:
             flat[i] = unwire(leaf)
     new_args, new_kwargs = rebuild(flat)
@@ -479,7 +494,7 @@ def wire_bytes(tree: Any) -> int:
     total = 0
     for leaf in leaves:
         item = leaf
-        while isinstance(item, (_Compressed, _GradLeaf)):
+        while isinstance(item, (_Compressed, _GradLeaf, _Parameter)):
             item = item.tensor
         if isinstance(item, torch.Tensor):
             total += item.numel() * item.element_size()

@@ -499,6 +499,86 @@ def bias_added_after_a_call_gets_its_gradient(world_size: int) -> None:
         torch.testing.assert_close(d, r)
 
 
+class Scaled(nn.Module):
+    """A learned scale kept as a plain tensor attribute, not registered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.scale = torch.tensor(2.0, requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def tensor_attribute_that_requires_grad_is_refused(world_size: int) -> None:
+    # A worker's copy would keep its first value and lose its gradient: refused by name, in a
+    # world of 1 too (partitioner=0: the caller's own partition gets the same check).
+    for partitioner in (0, 1):
+        with pytest.raises(TypeError, match=r"attribute 'scale' of its Scaled holds a tensor"):
+            md.remote_sync_call(
+                run_module, args=(Scaled(), torch.randn(2, 3)), partitioner=partitioner
+            )
+
+
+def assigned_into_a_module(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    lin = nn.Linear(3, 1, bias=False)
+    lin.weight = w  # a module takes an nn.Parameter only
+    return lin(x).sum()
+
+
+def in_a_parameter_list(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    (p,) = nn.ParameterList([w])  # keeps an nn.Parameter as it is (a tensor: a new leaf)
+    return (x @ p.t()).pow(2).sum()
+
+
+def parameters_arrive_as_parameters(world_size: int) -> None:
+    x = torch.randn(6, 3)
+    for func in (assigned_into_a_module, in_a_parameter_list):
+        for requires_grad in (True, False):
+            w = nn.Parameter(torch.randn(1, 3), requires_grad=requires_grad)
+            local = nn.Parameter(w.detach().clone(), requires_grad=requires_grad)
+            for partitioner in (1, dim_partitioner(0)):
+                w.grad = local.grad = None
+                out = md.remote_sync_call(
+                    func, args=(w, x), partitioner=partitioner, reducer=md.sum_reducer
+                )
+                expected = func(local, x)
+                assert_close(out.detach(), expected.detach(), f"{func.__name__} value")
+                if requires_grad:
+                    out.backward()
+                    expected.backward()
+                    assert_close(w.grad, local.grad, f"{func.__name__} gradient")  # type: ignore[arg-type]
+
+
+def square_backward(w: torch.Tensor) -> torch.Tensor:
+    loss = (w * w).sum()
+    loss.backward()  # reaches the leaves behind a non-leaf argument, in one process
+    return loss.detach()
+
+
+def grad_of_square(w: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():  # an inner loop, under the caller's no_grad
+        return torch.autograd.grad((w * w).sum(), w)[0]
+
+
+def non_leaf_arguments_pass_gradients_on(world_size: int) -> None:
+    w = torch.randn(6, 3, requires_grad=True)
+    # A backward inside the partition: the rows split over three workers, then a non-leaf.
+    md.remote_sync_call(square_backward, args=(w,), partitioner=dim_partitioner(0))
+    assert_close(w.grad, 2 * w.detach(), "split rows, .grad written inside")  # type: ignore[arg-type]
+    w.grad = None
+    md.remote_sync_call(square_backward, args=(w * 1.5,), partitioner=1)
+    assert_close(w.grad, 4.5 * w.detach(), "non-leaf argument, .grad written inside")  # type: ignore[arg-type]
+    # Under no_grad, a function that enables grad inside differentiates its chunk, as locally.
+    for partitioner in (dim_partitioner(0), dim_partitioner(0, exclusive=True)):
+        with torch.no_grad():
+            grads = md.remote_sync_call(
+                grad_of_square, args=(w,), partitioner=partitioner, reducer=md.cat_reducer
+            )
+        assert_close(grads, 2 * w.detach(), "grad inside, under no_grad")
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     module_structures_are_cached_per_worker,  # first: it counts the structures worker 1 holds
     rnn_modules_equal_local,
@@ -514,6 +594,9 @@ SCENARIOS: list[Callable[[int], Any]] = [
     bias_added_after_a_call_gets_its_gradient,
     compressed_meta_gradient_is_close,
     parameter_leaves_are_differentiable,
+    tensor_attribute_that_requires_grad_is_refused,
+    parameters_arrive_as_parameters,
+    non_leaf_arguments_pass_gradients_on,
 ]
 
 
