@@ -12,9 +12,12 @@ arguments travels attached to the context and is differentiated by torch's engin
 ``rref.to_here()`` pattern needs it).
 
 torch never writes ``.grad`` inside a context: it accumulates every gradient of a context into
-the context's map. :func:`backward` and :func:`grad` give the semantics of ``torch.autograd`` on
-top (this pass's contribution only; ``grad`` can be called twice): a later pass in one context
-gets its contribution as ``map_after - map_before``, exact up to the last bits.
+the context's map, which owners' optimizers apply. :func:`backward` gives the semantics of
+``torch.autograd`` on top (this pass's contribution only): a later pass in one context gets its
+contribution as ``map_after - map_before``, exact up to the last bits. :func:`grad` is
+``torch.autograd.grad`` itself while nothing in the context came through torch's RPC with a
+graph (metadist's own calls never do): it then writes nothing, the map included, as in one
+process; otherwise it runs torch's engine too, and its gradients join the map.
 
 Example:
     >>> import torch
@@ -661,18 +664,45 @@ def _pass(
     """Run one backward pass; its own gradient of each leaf reached (among ``targets``): the
     context's map accumulates over passes, so this pass's share is ``after - before``."""
     grads = _dist_get_gradients(context_id)
-    keys = grads if targets is None else [t for t in targets if t in grads]
+    keys = list(grads) if targets is None else [t for t in targets if t in grads]
     before = {t: grads[t].clone() for t in keys}
-    _dist_backward(context_id, roots, retain_graph=retain)
+    # A leaf an earlier pass reached is in the map whether this one reaches it or not: a hook
+    # tells (unreached, it gets no gradient, as in torch.autograd, not a zero one).
+    reached: set[int] = set()
+    handles = [t.register_hook(functools.partial(_reached, reached, id(t))) for t in keys]
+    # A root that is a leaf gets a gradient of one, as in torch.autograd; torch's distributed
+    # engine takes only roots with a graph.
+    graphed = [r for r in roots if r.grad_fn is not None]
+    try:
+        if graphed:
+            _dist_backward(context_id, graphed, retain_graph=retain)
+    finally:
+        for handle in handles:
+            handle.remove()
     after: dict[torch.Tensor, torch.Tensor] = _dist_get_gradients(context_id)
     deltas: dict[torch.Tensor, torch.Tensor] = {}
     with torch.no_grad():
         for t in after if targets is None else targets:
             total = after.get(t)
-            if total is not None:
-                previous = before.get(t)
-                deltas[t] = total - previous if previous is not None else total.clone()
+            previous = before.get(t)
+            if total is None or (previous is not None and id(t) not in reached):
+                continue
+            deltas[t] = total - previous if previous is not None else total.clone()
+        for r in roots:
+            if r.grad_fn is None and (targets is None or any(r is t for t in targets)):
+                deltas[r] = deltas[r] + 1 if r in deltas else torch.ones_like(r)
     return deltas
+
+
+def _through_rpc(context_id: int) -> bool:
+    """Whether torch's RPC brought a tensor with a graph into this context here (an RRef's
+    ``to_here()``, ``rpc_sync`` of tensors that require grad): only torch's engine goes on
+    from there. Private, like the context itself: torch has no public way to ask."""
+    return bool(dist_autograd._retrieve_context(context_id)._recv_functions())  # type: ignore[attr-defined]
+
+
+def _reached(reached: set[int], key: int, _: torch.Tensor) -> None:
+    reached.add(key)
 
 
 def backward(
@@ -719,6 +749,10 @@ def backward(
                 t.grad = delta
             else:
                 t.grad += delta
+            # What torch's AccumulateGrad runs after it wrote .grad (an optimizer step in the
+            # backward, say); torch keeps them there, with no public way to run them.
+            for hook in (t._post_accumulate_grad_hooks or {}).values():
+                hook(t)
 
 
 def grad(
@@ -730,8 +764,10 @@ def grad(
 ) -> tuple[torch.Tensor | None, ...]:
     """Return the gradients of ``outputs`` with respect to ``inputs`` (new tensors).
 
-    Neither ``.grad`` nor earlier results are touched; a second call in the same context
-    returns only that pass's gradients (see the module notes for the float caveat).
+    ``torch.autograd.grad``: neither ``.grad`` nor the context's map (what owners' optimizers
+    apply) is touched. Once torch's RPC brought a tensor with a graph into the context (an
+    RRef's ``to_here()``), the pass runs in torch's engine instead: its gradients join the map,
+    and it returns this pass's share (``after - before``, exact up to the last bits).
 
     Args:
         context_id: The id from :func:`context`.
@@ -751,7 +787,11 @@ def grad(
     check_context(context_id, "metadist.autograd.grad")
     roots = _roots(outputs, "outputs")
     targets = _leaves(inputs, "inputs")
-    deltas = _pass(context_id, roots, targets, retain_graph)
+    if not _through_rpc(context_id):
+        found = torch.autograd.grad(roots, targets, retain_graph=retain_graph, allow_unused=True)
+        deltas = {t: g for t, g in zip(targets, found, strict=True) if g is not None}
+    else:
+        deltas = _pass(context_id, roots, targets, retain_graph)
     for i, t in enumerate(targets):
         if t not in deltas and not allow_unused:
             raise RuntimeError(
