@@ -307,6 +307,35 @@ def _check_kernels_unasked_follow_torch_optim(world_size: int) -> None:
         torch.testing.assert_close(mine, theirs, **TOL)
 
 
+def _check_flags_stay_fixed(world_size: int) -> None:
+    """Owners are built with a group's flags: a changed flag is refused by name, on the next
+    step or in a loaded state dict, never silently ignored (floats follow, see schedulers)."""
+    model = Model(seed=72)
+    opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, momentum=0.9)
+    x = _inputs(1, seed=73)[0]
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [model.dist_loss(x)])
+        opt.step(cid)
+    saved = opt.state_dict()
+    before = model.values()
+    opt.param_groups[0]["nesterov"] = True
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [model.dist_loss(x)])
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['nesterov'\] is True"):
+            opt.step(cid)
+    opt.param_groups[0]["nesterov"] = False
+    flipped = copy.deepcopy(saved)
+    flipped["param_groups"][0]["maximize"] = True
+    with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\]\['maximize'\] is True"):
+        opt.load_state_dict(flipped)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.values(), strict=True))
+    opt.load_state_dict(saved)  # the same flags: fine
+    opt.param_groups[0]["lr"] = 0.05  # a float follows
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [model.dist_loss(x)])
+        opt.step(cid)
+
+
 def _window(
     model: Model, opt: DistributedOptimizer, ref: torch.optim.Optimizer, xs: list[torch.Tensor]
 ) -> None:
@@ -935,6 +964,7 @@ SCENARIOS = [
     _check_window_checkpoint,
     _check_kernels,
     _check_kernels_unasked_follow_torch_optim,
+    _check_flags_stay_fixed,
     _check_load_resets_accumulation,
     _check_scaler,
     _check_clipping,

@@ -280,6 +280,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             RuntimeError: If a request failed or timed out (with the owner's error).
         """
         check_context(context_id, "DistributedOptimizer")
+        for i, (group, fixed) in enumerate(zip(self.param_groups, self._owner_groups, strict=True)):
+            _check_flags(f"param_groups[{i}]", group, _flags(fixed))
         hparams = [_floats(group) for group in self.param_groups]
         with self._lock:
             self._passes += 1
@@ -384,6 +386,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         expected = "{'passes': k, 'gradients': {index: tensor}} with 0 < k < "
         expected += f"backward_passes_per_step ({self.backward_passes_per_step})"
         _check(f"state_dict['{_WINDOW}']", window, ok, expected)
+        for i, (saved, fixed) in enumerate(zip(groups, self._owner_groups, strict=True)):
+            _check_flags(f"state_dict['param_groups'][{i}]", saved, _flags(fixed))
         states = {order[k]: v for k, v in given.items()}
         accum = {order[k]: g for k, g in grads.items()} if window else None
         chunks = {
@@ -447,6 +451,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             lambda o: (self._keys[o], method, *(per_owner[o] if per_owner else args)),
             list(self._keys),
         )
+
+
+def _flags(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's flags (``nesterov``, ``amsgrad``, ``maximize``, ...): owners build their
+    optimizer with them, so they stay what they were when the group was added. Kernel flags
+    choose how, not what, and are left out."""
+    return {
+        k: v
+        for k, v in group.items()
+        if k not in _KERNEL_FLAGS and (v is None or isinstance(v, (bool, str)))
+    }
+
+
+def _check_flags(where: str, group: Mapping[str, Any], fixed: Mapping[str, Any]) -> None:
+    for key, value in fixed.items():
+        if key in group and group[key] != value:
+            raise ValueError(
+                f"{where}[{key!r}] is {group[key]!r}, but the owners were built with "
+                f"{key}={value!r}: flags are fixed when a group is added (floats such as lr "
+                f"are not). Build a new DistributedOptimizer for another value"
+            )
 
 
 def _floats(group: Mapping[str, Any]) -> dict[str, Any]:
