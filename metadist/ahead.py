@@ -119,15 +119,21 @@ def backward(
 ) -> tuple[torch.Tensor | None, ...] | None:
     """The gradients of ``leaves`` when ``outputs`` get the ``expect``-ed gradients, the graph
     kept for a pass that expects otherwise; ``None`` when they do not apply or the backward
-    fails (the pass then computes, and reports, it)."""
-    if len(expect) != len(outputs) or all(e is None for e in expect):
+    fails (the pass then computes, and reports, it).
+
+    Only when every output gets a gradient: a pass that uses the answers frees the whole graph,
+    as a local pass frees what it goes through. An output no pass reaches (the logits beside
+    a loss) would keep it alive as long as the caller keeps that output, where a local pass
+    through the loss frees their shared part; and a later pass through an output the first
+    one did not reach needs the graph."""
+    if len(expect) != len(outputs) or any(e is None for e in expect):
         return None
     reached: list[tuple[torch.Tensor, torch.Tensor]] = []
     for o, e in zip(outputs, expect, strict=True):
-        if e is not None:
-            if o.numel() != 1 or not o.is_floating_point() or not o.requires_grad:
-                return None
-            reached.append((o, torch.full_like(o, e)))
+        assert e is not None
+        if o.numel() != 1 or not o.is_floating_point() or not o.requires_grad:
+            return None
+        reached.append((o, torch.full_like(o, e)))
     try:
         with torch.enable_grad():
             found = torch.autograd.grad(

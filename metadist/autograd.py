@@ -124,9 +124,9 @@ class RemoteGradients:
         self.retain = False  # keep the workers' graphs whatever the pass (see _second_order)
         self.passes = 0
         # Per graph key: the gradients expected and the answer the worker sent ahead for them;
-        # the results whose answer a pass used and freed (their positions in the graph's).
+        # keys whose answer a pass used and freed.
         self.ready: dict[int, tuple[ahead.Expectation, list[torch.Tensor | None]]] = {}
-        self.spent: dict[int, set[int]] = {}
+        self.spent: set[int] = set()
 
     def new_key(self) -> int:
         """A key no other graph on any worker has: this caller's rank, then a counter."""
@@ -144,18 +144,15 @@ class RemoteGradients:
                 ahead.note(self.site, graph.part, mine)
             if not any(g is not None for g in mine):
                 continue
-            reached = {i for i, g in enumerate(mine) if g is not None}
-            spent = self.spent.get(graph.key, set())
-            if reached & spent:
+            if graph.key in self.spent:
                 raise RuntimeError(SECOND_PASS)
             ready = self.ready.pop(graph.key, None) if not retain else self.ready.get(graph.key)
             if ready is not None and not create_graph and ahead.same(ready[0], mine):
-                if not retain:  # freed, as a local pass frees what it went through
-                    spent = self.spent[graph.key] = spent | reached
-                    # Once every result went through a pass: a result no pass reached yet
-                    # (a second loss) keeps the graph, which its own pass may still need.
-                    if len(spent) == graph.outputs:
-                        release(self.world_token, [(graph.worker, graph.key)])
+                # Every result got its gradient (see ahead.backward): freed, as a local pass
+                # frees what it went through.
+                if not retain:
+                    self.spent.add(graph.key)
+                    release(self.world_token, [(graph.worker, graph.key)])
                 answered.append((graph, mine, -1, ready[1], ()))
             else:
                 answer_key = self.new_key() if create_graph else -1
@@ -270,8 +267,7 @@ def _refuse_batched(grads: Sequence[torch.Tensor | None]) -> None:
 
 def _release_graphs(state: RemoteGradients) -> None:
     release(
-        state.world_token,
-        [(g.worker, g.key) for g in state.graphs if len(state.spent.get(g.key, ())) < g.outputs],
+        state.world_token, [(g.worker, g.key) for g in state.graphs if g.key not in state.spent]
     )
     if not state.passes and state.site is not None:
         ahead.forget(state.site)  # not differentiated: answers ahead would be wasted work
@@ -500,6 +496,7 @@ class Link:
         self.keys: dict[int, int] = {}
         self.token: torch.Tensor | None = None
         self._pending: list[_Held] = []
+        self._written: list[tuple[torch.Tensor, torch.Tensor]] = []  # on non-leaf arguments
 
     def add(self, index: int, sources: list[torch.Tensor]) -> int:
         """Note partition ``index``'s arguments that require grad; the key for its graph."""
@@ -540,10 +537,8 @@ class Link:
             if source.is_leaf:
                 with torch.no_grad():
                     source.grad = g if source.grad is None else source.grad + g
-            else:
-                # A backward inside the partition went on through the argument's history, in
-                # one process, to the leaves behind it (a chunk of a batch, adapted weights).
-                torch.autograd.backward([source], [g])
+            else:  # see finish
+                self._written.append((source, g))
         if not reply.kept:
             return result_of(reply)
         flat, spec = tree_flatten(
@@ -560,6 +555,22 @@ class Link:
 
     def finish(self, values: list[Any]) -> list[Any]:
         """``values`` with every held result's tensors made outputs of the call's nodes."""
+        if self._written:
+            # A backward inside a partition went on, in one process, through a non-leaf
+            # argument's history to the leaves behind it (a chunk of a batch, adapted weights):
+            # one pass for all of a call's partitions, whose chunks share that history.
+            sources, grads = zip(*self._written, strict=True)
+            self._written = []
+            try:
+                torch.autograd.backward(list(sources), list(grads))
+            except RuntimeError as error:
+                error.add_note(
+                    "[metadist] a backward inside a remote partition went on through a non-leaf "
+                    "argument's history, which an earlier backward freed (the caller's own "
+                    "partition's, say, as the function run chunk by chunk in one process would "
+                    "find it): run the earlier one with retain_graph=True"
+                )
+                raise
         if not self._pending:
             return values
         self.start()
@@ -669,7 +680,11 @@ def _pass(
     # A leaf an earlier pass reached is in the map whether this one reaches it or not: a hook
     # tells (unreached, it gets no gradient, as in torch.autograd, not a zero one).
     reached: set[int] = set()
-    handles = [t.register_hook(functools.partial(_reached, reached, id(t))) for t in keys]
+    handles = [
+        t.register_hook(functools.partial(_reached, reached, id(t)))
+        for t in keys
+        if t.requires_grad  # one frozen since cannot be reached
+    ]
     # A root that is a leaf gets a gradient of one, as in torch.autograd; torch's distributed
     # engine takes only roots with a graph.
     graphed = [r for r in roots if r.grad_fn is not None]

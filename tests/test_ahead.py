@@ -81,6 +81,9 @@ def test_the_backward_is_the_one_a_pass_would_run() -> None:
     assert ahead.backward([vec], [w], (1.0,)) is None  # not one element
     assert ahead.backward([(x @ w).sum()], [w], (None,)) is None  # no gradient expected
     assert ahead.backward([(x @ w).sum()], [w], (1.0, 1.0)) is None  # another result count
+    # A result no pass gives a gradient (logits beside a loss): not ahead, so that the pass
+    # frees the graph as a local one does.
+    assert ahead.backward([(x @ w).sum(), (x @ w).sin().sum()], [w], (1.0, None)) is None
     assert ahead.backward([torch.tensor(1.0)], [w], (1.0,)) is None  # no graph: it fails
 
 

@@ -1368,7 +1368,7 @@ def two_losses(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 @runs_ahead
-def answers_ahead_keep_a_second_result_for_its_own_pass(world_size: int) -> None:
+def answers_ahead_leave_a_second_result_to_its_own_pass(world_size: int) -> None:
     torch.manual_seed(6)
     x = torch.randn(12, 4)
     w = torch.randn(4, requires_grad=True)
@@ -1386,10 +1386,11 @@ def answers_ahead_keep_a_second_result_for_its_own_pass(world_size: int) -> None
             torch.stack([r[1] for r in results]).sum().backward()
             torch.stack([r[1] for r in local]).sum().backward()
         assert rel_err(w.grad, wl.grad) <= 1e-6, (step, rel_err(w.grad, wl.grad))  # type: ignore[arg-type]
-    # The workers answered the first results ahead; step 3's pass through the others made the
-    # site's last two passes disagree, so step 4 asks again.
-    assert requests == [2, 2, 0, 0, 2], requests
-    # Through the answered result a second time: freed by the first pass, as locally.
+    # A result that no pass reached is not answered ahead: each pass asks, and the worker's
+    # pass frees what it goes through, as locally (a kept graph would outlive the caller's
+    # pass for as long as it keeps that result).
+    assert requests == [2, 2, 2, 2, 2], requests
+    # Through the first result a second time: freed by the first pass, as locally.
     results = remote_sync_call(two_losses, args=(w, x), partitioner=_Chunks([0, 1, 2]))
     torch.stack([r[0] for r in results]).sum().backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
@@ -1479,7 +1480,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     answers_ahead_leave_tensors_a_function_was_not_given,
     answers_ahead_run_the_sources_hooks_once,
     answers_ahead_leave_arguments_made_from_others_to_the_pass,
-    answers_ahead_keep_a_second_result_for_its_own_pass,
+    answers_ahead_leave_a_second_result_to_its_own_pass,
     answers_ahead_keep_in_place_errors,
     answers_ahead_only_after_short_forwards,
 ]

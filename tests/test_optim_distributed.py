@@ -331,6 +331,7 @@ def _check_flags_stay_fixed(world_size: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.values(), strict=True))
     opt.load_state_dict(saved)  # the same flags: fine
     opt.param_groups[0]["lr"] = 0.05  # a float follows
+    opt.param_groups[0]["name"] = "the encoder"  # a key of the user's, unknown to the class
     with dist_autograd.context() as cid:
         dist_autograd.backward(cid, [model.dist_loss(x)])
         opt.step(cid)

@@ -570,6 +570,13 @@ def non_leaf_arguments_pass_gradients_on(world_size: int) -> None:
     w.grad = None
     md.remote_sync_call(square_backward, args=(w * 1.5,), partitioner=1)
     assert_close(w.grad, 4.5 * w.detach(), "non-leaf argument, .grad written inside")  # type: ignore[arg-type]
+    # Chunks of a non-leaf whose history saved tensors: one pass through it for the call.
+    v = torch.rand(6, 3) + 1
+    w.grad = None
+    md.remote_sync_call(
+        square_backward, args=(w * v,), partitioner=dim_partitioner(0, workers=[1, 2])
+    )
+    assert_close(w.grad, 2 * w.detach() * v * v, "chunks of w * v, .grad written inside")  # type: ignore[arg-type]
     # Under no_grad, a function that enables grad inside differentiates its chunk, as locally.
     for partitioner in (dim_partitioner(0), dim_partitioner(0, exclusive=True)):
         with torch.no_grad():

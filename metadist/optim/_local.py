@@ -124,8 +124,9 @@ class Group:
             self.unfuse = lambda: (eager_kernel(accepted, params, foreach, False), kwargs, cls)
 
     def _unfused(self, params: list[Tensor]) -> None:
-        """From now on the kernel torch.optim would use: torch's fused kernels take no sparse
-        gradient (an embedding's), and torch.optim picks them only when asked. State kept."""
+        """From now on the kernel picked as for ``fused=False``: torch's fused kernels take no
+        sparse gradient (an embedding's), and torch.optim picks them only when asked. State
+        kept."""
         kernel, kwargs, cls = self.unfuse()
         state, defaults = self.get("state"), self.get("defaults")
         self.kernel, self.unfuse = kernel, None

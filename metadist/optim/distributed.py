@@ -281,7 +281,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         check_context(context_id, "DistributedOptimizer")
         for i, (group, fixed) in enumerate(zip(self.param_groups, self._owner_groups, strict=True)):
-            _check_flags(f"param_groups[{i}]", group, _flags(fixed))
+            _check_flags(f"param_groups[{i}]", group, _flags(fixed, self.defaults))
         hparams = [_floats(group) for group in self.param_groups]
         with self._lock:
             self._passes += 1
@@ -387,7 +387,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         expected += f"backward_passes_per_step ({self.backward_passes_per_step})"
         _check(f"state_dict['{_WINDOW}']", window, ok, expected)
         for i, (saved, fixed) in enumerate(zip(groups, self._owner_groups, strict=True)):
-            _check_flags(f"state_dict['param_groups'][{i}]", saved, _flags(fixed))
+            _check_flags(f"state_dict['param_groups'][{i}]", saved, _flags(fixed, self.defaults))
         states = {order[k]: v for k, v in given.items()}
         accum = {order[k]: g for k, g in grads.items()} if window else None
         chunks = {
@@ -453,14 +453,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
 
 
-def _flags(group: Mapping[str, Any]) -> dict[str, Any]:
+def _flags(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """A group's flags (``nesterov``, ``amsgrad``, ``maximize``, ...): owners build their
     optimizer with them, so they stay what they were when the group was added. Kernel flags
-    choose how, not what, and are left out."""
+    choose how, not what, and keys the class does not take (a label of the user's) mean
+    nothing to the owners: both are left out."""
     return {
         k: v
         for k, v in group.items()
-        if k not in _KERNEL_FLAGS and (v is None or isinstance(v, (bool, str)))
+        if k in defaults and k not in _KERNEL_FLAGS and (v is None or isinstance(v, (bool, str)))
     }
 
 
