@@ -683,7 +683,7 @@ def _pass(
     handles = [
         t.register_hook(functools.partial(_reached, reached, id(t)))
         for t in keys
-        if t.requires_grad  # one frozen since cannot be reached
+        if t.requires_grad  # a leaf frozen since then cannot be reached
     ]
     # A root that is a leaf gets a gradient of one, as in torch.autograd; torch's distributed
     # engine takes only roots with a graph.
