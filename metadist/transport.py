@@ -117,6 +117,7 @@ class _GradLeaf(_Wire):
 
     tensor: Any
     parameter: bool
+    hooked: bool  # see _hooks_skipped
 
 
 @dataclasses.dataclass(slots=True)
@@ -137,6 +138,7 @@ class _ModuleRef(_Wire):
     buffers: tuple[Any, ...]
     training: int
     requires_grad: int
+    hooked: int  # parameters with tensor hooks on the caller (bits): see _hooks_skipped
 
 
 def wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> Any:
@@ -227,6 +229,7 @@ def _encode_module(
         for _, name, p in plan.param_reads:
             _refuse(p, where, f"parameter {name!r} of module argument")
     requires_grad = sum(1 << i for i, (_, _, p) in enumerate(plan.param_reads) if p.requires_grad)
+    hooked = sum(1 << i for i, (_, _, p) in enumerate(plan.param_reads) if p._backward_hooks)
     # Attached, a non-leaf alias of a parameter is what distributed autograd records.
     params = [
         wire(torch.ops.aten.alias.default(p) if attached and p.requires_grad else p.detach(), dtype)
@@ -237,7 +240,7 @@ def _encode_module(
         for k, name in plan.buffer_reads
     )
     training = sum(1 << i for i, m in enumerate(modules) if m.training)
-    sent = (tuple(params), buffers, training, requires_grad)
+    sent = (tuple(params), buffers, training, requires_grad, hooked)
     memo.modules[id(module)] = (plan, sent)
     return plan, sent
 
@@ -378,7 +381,8 @@ def encode(
         elif isinstance(leaf, torch.Tensor):
             _refuse(leaf, (args, kwargs, i))
             if leaf.requires_grad and not attached:
-                leaves[i] = _GradLeaf(wire(leaf.detach(), dtype), isinstance(leaf, nn.Parameter))
+                parameter, hooked = isinstance(leaf, nn.Parameter), bool(leaf._backward_hooks)
+                leaves[i] = _GradLeaf(wire(leaf.detach(), dtype), parameter, hooked)
                 sources.append(leaf)
             elif isinstance(leaf, nn.Parameter):
                 sent = memo.tensors.get(id(leaf))
@@ -438,6 +442,19 @@ def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 # Worker side
 
 
+def _hooks_skipped(what: str, _: torch.Tensor) -> None:
+    """Stands in on a worker for the tensor hooks of the caller's tensor (functions that only
+    the caller can run): a gradient the function computes inside reaches it, and would skip them.
+    The worker's own passes (gradient requests, answers ahead) take it off: the caller applies
+    its hooks when their answers arrive."""
+    raise RuntimeError(
+        f"a gradient computed inside this remote partition reaches {what}, whose tensor on "
+        f"the caller has tensor hooks (register_hook, gradient clipping by hooks say): in one "
+        f"process they would change this gradient, and they cannot run here. Run the partition "
+        f"on the caller (partitioner=0), or apply the hook's change inside the function"
+    )
+
+
 def _decode_module(ref: _ModuleRef, leaves: list[torch.Tensor] | None) -> nn.Module:
     params = [unwire(t) for t in ref.params]
     if leaves is not None:
@@ -447,6 +464,11 @@ def _decode_module(ref: _ModuleRef, leaves: list[torch.Tensor] | None) -> nn.Mod
             nn.Parameter(t, requires_grad=bool(ref.requires_grad >> i & 1))
             for i, t in enumerate(params)
         ]
+        for i, p in enumerate(params):
+            if ref.hooked >> i & 1 and p.requires_grad:
+                p.register_hook(
+                    functools.partial(_hooks_skipped, f"parameter {i} of a module argument")
+                )
         leaves.extend(p for p in params if p.requires_grad)
     rebuilder = structure.rebuilder(ref.fingerprint, ref.structure)
     return rebuilder.build(params, [unwire(b) for b in ref.buffers], ref.training)
@@ -472,6 +494,10 @@ def decode(
                 flat[i] = nn.Parameter(t)
             else:
                 flat[i] = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
+            if leaf.hooked:
+                flat[i].register_hook(
+                    functools.partial(_hooks_skipped, f"argument {i} (flattened)")
+                )
             if made is not None:
                 made.append(flat[i])
         elif isinstance(leaf, _Parameter):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -586,6 +587,53 @@ def non_leaf_arguments_pass_gradients_on(world_size: int) -> None:
         assert_close(grads, 2 * w.detach(), "grad inside, under no_grad")
 
 
+def inner_step_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One differentiable inner step on the module's parameters, then the query loss."""
+    params = dict(m.named_parameters())
+    grads = torch.autograd.grad(run_module(m, x), list(params.values()), create_graph=True)
+    fast = {n: p - 0.1 * g for (n, p), g in zip(params.items(), grads, strict=True)}
+    return torch.func.functional_call(m, fast, (x,)).pow(2).mean()
+
+
+def _clamped(g: torch.Tensor) -> torch.Tensor:
+    return g.clamp(-0.05, 0.05)
+
+
+def hooked_parameters_are_exact_or_refused(world_size: int) -> None:
+    x = torch.randn(6, 3)
+    model = nn.Linear(3, 2)
+    local = copy.deepcopy(model)
+    for m in (model, local):
+        for p in m.parameters():
+            p.register_hook(_clamped)
+    # The hooks change only the caller's pass: they run there, once, as locally (answers
+    # ahead included: steps 2 and 3).
+    for step in range(4):
+        model.zero_grad()
+        local.zero_grad()
+        md.remote_sync_call(
+            run_module, args=(model, x), partitioner=dim_partitioner(0), reducer=mean_reducer
+        ).backward()
+        torch.stack([run_module(local, c) for c in x.chunk(3)]).mean().backward()
+        for a, b in zip(grads_of(model), grads_of(local), strict=True):
+            assert_close(a, b, f"step {step}: outer pass through hooked parameters")
+    # A gradient the function computes inside reaches them: in one process the hooks would
+    # change it, and a worker cannot run them. Refused there; exact on the caller.
+    with pytest.raises(Exception, match="whose tensor on the caller has tensor hooks"):
+        md.remote_sync_call(inner_step_loss, args=(model, x), partitioner=1)
+    w = torch.randn(3, requires_grad=True)
+    w.register_hook(_clamped)
+    with pytest.raises(Exception, match=r"reaches argument 0 \(flattened\)"):
+        md.remote_sync_call(square_backward, args=(w,), partitioner=1)
+    model.zero_grad()
+    local.zero_grad()
+    (out,) = md.remote_sync_call(inner_step_loss, args=(model, x), partitioner=0)
+    out.backward()
+    inner_step_loss(local, x).backward()
+    for a, b in zip(grads_of(model), grads_of(local), strict=True):
+        assert_close(a, b, "inner step on the caller, hooked parameters")
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     module_structures_are_cached_per_worker,  # first: it counts the structures worker 1 holds
     rnn_modules_equal_local,
@@ -604,6 +652,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     tensor_attribute_that_requires_grad_is_refused,
     parameters_arrive_as_parameters,
     non_leaf_arguments_pass_gradients_on,
+    hooked_parameters_are_exact_or_refused,
 ]
 
 
