@@ -40,7 +40,13 @@ from metadist.errors import (
 )
 from metadist.partition import batch_partitioner
 from metadist.reduce import PartitionResults, check_sizes
-from metadist.world import get_worker_id, get_worker_name, get_worker_names, require_rpc
+from metadist.world import (
+    check_timeout_range,
+    get_worker_id,
+    get_worker_name,
+    get_worker_names,
+    require_rpc,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -154,10 +160,7 @@ def _resolve_timeout(timeout: float | None) -> float:
         raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
     if timeout == DEFAULT_TIMEOUT:
         return rpc.constants.UNSET_RPC_TIMEOUT
-    if not timeout > 0:
-        raise ValueError(
-            f"timeout must be > 0 seconds, None (no timeout) or DEFAULT_TIMEOUT, got {timeout}"
-        )
+    check_timeout_range(timeout, "None: no timeout; DEFAULT_TIMEOUT: the world's")
     return float(timeout)
 
 

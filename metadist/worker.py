@@ -164,7 +164,9 @@ def _complete(job: Callable[[], Any], future: Future[Any]) -> None:
     try:
         result = job()  # jobs return their own errors; this is for Ctrl-C and the like
     except BaseException as error:
-        future.set_exception(error)
+        # torch's futures take an Exception only (Ctrl-C is not one).
+        failure = error if isinstance(error, Exception) else RuntimeError(repr(error))
+        future.set_exception(failure)
         raise
     future.set_result(result)  # sends the reply (torch's callback runs in set_result)
     _free()
@@ -362,6 +364,11 @@ def _run_partition(request: Request) -> Any:
         reply = _reply(result, leaves, key, dtype, start)
     except Exception as error:
         return RemoteFailure.capture(error, me, "call")
+    except (SystemExit, GeneratorExit) as error:
+        # The function's, not this worker's: reported as any failure, and the worker serves on.
+        wrapped = RuntimeError(f"the function raised {type(error).__name__}({error})")
+        wrapped.__cause__ = error
+        return RemoteFailure.capture(wrapped, me, "call")
     if expect is not None and reply.kept and dtype is None and ahead.worth(took):
         with _GRAPHS_LOCK:
             graph = _GRAPHS.get(key)

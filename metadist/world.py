@@ -22,6 +22,7 @@ __all__ = [
     "arrive_async",
     "arrived_members",
     "barrier",
+    "check_timeout_range",
     "default_worker_name_format",
     "get_local_rank",
     "get_local_world_size",
@@ -176,6 +177,20 @@ def _runtime(api_name: str) -> _Runtime:
 def in_rpc_world() -> bool:
     """Whether an RPC world (metadist's, or the program's own ``rpc.init_rpc``) is running."""
     return _current_runtime() is not None
+
+
+#: The longest wait torch's RPC can hold (whole milliseconds in a signed 32-bit number), and
+#: the shortest (less is no milliseconds, which torch reads as no limit), in seconds.
+MAX_TIMEOUT_S, MIN_TIMEOUT_S = (2**31 - 1) / 1000, 0.001
+
+
+def check_timeout_range(timeout: float, zero: str) -> None:
+    """``ValueError`` unless ``timeout`` seconds is a wait torch's RPC holds as given."""
+    if not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:  # NaN fails too
+        raise ValueError(
+            f"timeout must be between {MIN_TIMEOUT_S} and {MAX_TIMEOUT_S} seconds ({zero}), "
+            f"got {timeout}"
+        )
 
 
 def join_world(info: WorldInfo, own_name: str, timeout: float) -> None:
@@ -409,8 +424,8 @@ def barrier(
         timeout = runtime.default_timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds (0 waits forever), got {timeout}")
+    if timeout != 0:
+        check_timeout_range(timeout, "0 waits forever")
     with runtime.lock:
         generation = runtime.generations.get(group, 0)
         runtime.generations[group] = generation + 1

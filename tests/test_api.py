@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import math
 import os
 import sys
 import threading
@@ -139,6 +140,12 @@ ROWS = [
     Row("reducer not callable", lambda fx: _call(fx, reducer="mean"), TypeError, r"reducer"),
     Row("timeout negative", lambda fx: _call(fx, timeout=-5), ValueError, r"timeout"),
     Row("timeout zero", lambda fx: _call(fx, timeout=0), ValueError, r"timeout"),
+    # torch holds whole milliseconds in 32 bits: less than one would mean no limit, more than
+    # 24.8 days an expired one.
+    Row("timeout under 1 ms", lambda fx: _call(fx, timeout=0.0004), ValueError, r"between 0.001"),
+    Row("timeout past 32 bits", lambda fx: _call(fx, timeout=3e6), ValueError, r"got 3000000"),
+    Row("timeout inf", lambda fx: _call(fx, timeout=math.inf), ValueError, r"got inf"),
+    Row("timeout nan", lambda fx: _call(fx, timeout=math.nan), ValueError, r"got nan"),
     Row("timeout str", lambda fx: _call(fx, timeout="10"), TypeError, r"timeout"),
     Row("compression", lambda fx: _call(fx, compression="int8"), ValueError, r"compression"),
     Row(
@@ -483,6 +490,21 @@ def remote_exceptions_keep_type_worker_and_traceback(world_size: int) -> None:
     assert remote_sync_call(describe, args=(x[:1], "ok"), partitioner=1)[0][2] == "ok"
 
 
+def exits(code: int) -> None:
+    sys.exit(code)
+
+
+def a_remote_exit_is_a_remote_failure(world_size: int) -> None:
+    # sys.exit in the function is the function's failure: reported with the worker's name and
+    # traceback, and the worker serves on (its main thread ran it: it killed the worker).
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"raised SystemExit\(3\)") as raised:
+            remote_sync_call(exits, args=(3,), partitioner=2)
+        assert "worker2" in str(raised.value)
+        assert "sys.exit(code)" in str(raised.value)
+    assert remote_sync_call(sleepy, args=(0.0,), partitioner=2) == [0.0]
+
+
 def timeouts_name_the_worker(world_size: int) -> None:
     # Timeout: raised as TimeoutError naming the worker, well before the sleep ends.
     start = time.monotonic()
@@ -774,6 +796,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     worker_partitioners_futures_and_decorators,
     remote_exceptions_keep_type_worker_and_traceback,
     timeouts_name_the_worker,
+    a_remote_exit_is_a_remote_failure,
     bad_input_fails_before_sending,
     own_partition_runs_in_process,
     local_and_remote_errors_look_alike,

@@ -225,8 +225,9 @@ def test_world_of_one_in_process(clean_env: pytest.MonkeyPatch) -> None:
             metadist.barrier("worker0")
         with pytest.raises(ValueError, match="at least one worker"):
             metadist.barrier([])
-        with pytest.raises(ValueError, match="timeout must be >= 0"):
-            metadist.barrier(timeout=-1)
+        for bad in (-1, 0.0004, 3e6, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match=r"timeout must be between 0\.001 and"):
+                metadist.barrier(timeout=bad)
         assert nested() == ("worker0",)  # a nested decorated call runs inside the same world
         return x + 1
 
