@@ -443,10 +443,10 @@ def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 
 def _hooks_skipped(what: str, _: torch.Tensor) -> None:
-    """Stands in on a worker for the tensor hooks of the caller's tensor (functions that only
-    the caller can run): a gradient the function computes inside reaches it, and would skip them.
-    The worker's own passes (gradient requests, answers ahead) take it off: the caller applies
-    its hooks when their answers arrive."""
+    """Stands in on a worker, while the function runs, for the tensor hooks of the caller's
+    tensor (functions only the caller can run): a gradient the function computes inside
+    reaches it, and would skip them. Taken off when the function returns (``guards``): the
+    worker's later passes answer the caller, whose hooks see the answers."""
     raise RuntimeError(
         f"a gradient computed inside this remote partition reaches {what}, whose tensor on "
         f"the caller has tensor hooks (register_hook, gradient clipping by hooks say): in one "
@@ -455,7 +455,9 @@ def _hooks_skipped(what: str, _: torch.Tensor) -> None:
     )
 
 
-def _decode_module(ref: _ModuleRef, leaves: list[torch.Tensor] | None) -> nn.Module:
+def _decode_module(
+    ref: _ModuleRef, leaves: list[torch.Tensor] | None, guards: list[Any]
+) -> nn.Module:
     params = [unwire(t) for t in ref.params]
     if leaves is not None:
         # Sent detached: the worker's module holds nn.Parameter leaves, as the caller's does,
@@ -466,9 +468,8 @@ def _decode_module(ref: _ModuleRef, leaves: list[torch.Tensor] | None) -> nn.Mod
         ]
         for i, p in enumerate(params):
             if ref.hooked >> i & 1 and p.requires_grad:
-                p.register_hook(
-                    functools.partial(_hooks_skipped, f"parameter {i} of a module argument")
-                )
+                what = f"parameter {i} of a module argument"
+                guards.append(p.register_hook(functools.partial(_hooks_skipped, what)))
         leaves.extend(p for p in params if p.requires_grad)
     rebuilder = structure.rebuilder(ref.fingerprint, ref.structure)
     return rebuilder.build(params, [unwire(b) for b in ref.buffers], ref.training)
@@ -476,18 +477,21 @@ def _decode_module(ref: _ModuleRef, leaves: list[torch.Tensor] | None) -> nn.Mod
 
 def decode(
     args: tuple[Any, ...], kwargs: dict[str, Any], *, leaves: bool = False
-) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor], list[Any]]:
     """Rebuild modules and tensors of arguments made by :func:`encode` (worker side).
 
     With ``leaves`` (the call travelled detached), module parameters become ``nn.Parameter``
-    leaves; returns ``(args, kwargs, leaves)`` with the leaves that require grad in the order of
-    :func:`encode`'s ``sources``. Raises ``RuntimeError`` for a structure neither sent nor cached.
+    leaves; returns ``(args, kwargs, leaves, guards)`` with the leaves that require grad in the
+    order of :func:`encode`'s ``sources``, and the handles of the stand-ins for the caller's
+    tensor hooks (see :func:`_hooks_skipped`), to remove once the function returned. Raises
+    ``RuntimeError`` for a structure neither sent nor cached.
     """
     flat, rebuild = flatten_arguments(args, kwargs)
     made: list[torch.Tensor] | None = [] if leaves else None
+    guards: list[Any] = []
     for i, leaf in enumerate(flat):
         if isinstance(leaf, _ModuleRef):
-            flat[i] = _decode_module(leaf, made)
+            flat[i] = _decode_module(leaf, made, guards)
         elif isinstance(leaf, _GradLeaf):
             t = unwire(leaf.tensor)
             if leaf.parameter:
@@ -495,9 +499,8 @@ def decode(
             else:
                 flat[i] = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
             if leaf.hooked:
-                flat[i].register_hook(
-                    functools.partial(_hooks_skipped, f"argument {i} (flattened)")
-                )
+                what = f"argument {i} (flattened)"
+                guards.append(flat[i].register_hook(functools.partial(_hooks_skipped, what)))
             if made is not None:
                 made.append(flat[i])
         elif isinstance(leaf, _Parameter):
@@ -505,7 +508,7 @@ def decode(
         else:
             flat[i] = unwire(leaf)
     new_args, new_kwargs = rebuild(flat)
-    return new_args, new_kwargs, made or []
+    return new_args, new_kwargs, made or [], guards
 
 
 def unwire_tree(tree: Any) -> Any:

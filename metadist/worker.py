@@ -346,8 +346,9 @@ def _run_partition(request: Request) -> Any:
     attached = key < 0
     try:
         leaves: list[torch.Tensor] = []
+        guards: list[Any] = []
         if decode:
-            args, kwargs, leaves = transport.decode(args, kwargs, leaves=not attached)
+            args, kwargs, leaves, guards = transport.decode(args, kwargs, leaves=not attached)
     except Exception as error:
         return RemoteFailure.capture(error, me, "decode")
     try:
@@ -356,7 +357,11 @@ def _run_partition(request: Request) -> Any:
             if in_context and not attached:
                 stack.enter_context(_watch_rpc())
             began = time.perf_counter()
-            result = getattr(func, ORIGINAL, func)(*args, **kwargs)
+            try:
+                result = getattr(func, ORIGINAL, func)(*args, **kwargs)
+            finally:
+                for guard in guards:  # see transport._hooks_skipped
+                    guard.remove()
             took = time.perf_counter() - began
             check_result(result)
         if attached:  # torch's distributed autograd links the tensors of the reply
@@ -372,10 +377,7 @@ def _run_partition(request: Request) -> Any:
     if expect is not None and reply.kept and dtype is None and ahead.worth(took):
         with _GRAPHS_LOCK:
             graph = _GRAPHS.get(key)
-        found = None
-        if graph is not None:
-            with ahead.hooks_off(graph[0]):  # see transport._hooks_skipped
-                found = ahead.backward(graph[1], graph[0], expect)
+        found = None if graph is None else ahead.backward(graph[1], graph[0], expect)
         if found is not None:
             wired = tuple(None if g is None else transport.wire(g, None) for g in found)
             reply = reply._replace(ahead=wired, end=timeline.now())
@@ -432,17 +434,16 @@ def _vjp_one(  # noqa: PLR0917
     # With create_graph, the received gradients become leaves of the answer's graph, so that
     # the caller can differentiate the answer with respect to them too.
     grad_leaves = [g.detach().requires_grad_(True) for _, g in reached] if create_graph else []
-    with ahead.hooks_off(leaves):  # see transport._hooks_skipped
-        found: list[torch.Tensor | None] = list(
-            torch.autograd.grad(
-                [o for o, _ in reached],
-                leaves,
-                grad_leaves if create_graph else [g for _, g in reached],
-                retain_graph=retain,
-                create_graph=create_graph,
-                allow_unused=True,
-            )
+    found: list[torch.Tensor | None] = list(
+        torch.autograd.grad(
+            [o for o, _ in reached],
+            leaves,
+            grad_leaves if create_graph else [g for _, g in reached],
+            retain_graph=retain,
+            create_graph=create_graph,
+            allow_unused=True,
         )
+    )
     diff: tuple[int, ...] = ()
     if create_graph:
         diff = tuple(i for i, g in enumerate(found) if g is not None and g.requires_grad)

@@ -599,6 +599,15 @@ def _clamped(g: torch.Tensor) -> torch.Tensor:
     return g.clamp(-0.05, 0.05)
 
 
+def _tripled(g: torch.Tensor) -> torch.Tensor:
+    return g * 3
+
+
+def hooks_its_argument(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    w.register_hook(_tripled)  # the function's own hook: it runs in the pass, on the worker too
+    return (w * x).sum()
+
+
 def hooked_parameters_are_exact_or_refused(world_size: int) -> None:
     x = torch.randn(6, 3)
     model = nn.Linear(3, 2)
@@ -625,6 +634,11 @@ def hooked_parameters_are_exact_or_refused(world_size: int) -> None:
     w.register_hook(_clamped)
     with pytest.raises(Exception, match=r"reaches argument 0 \(flattened\)"):
         md.remote_sync_call(square_backward, args=(w,), partitioner=1)
+    for partitioner in (0, 1):
+        v = torch.randn(3, requires_grad=True)
+        (out,) = md.remote_sync_call(hooks_its_argument, args=(v, x[0]), partitioner=partitioner)
+        out.backward()
+        assert_close(v.grad, 3 * x[0], f"partitioner {partitioner}: the function's own hook")  # type: ignore[arg-type]
     model.zero_grad()
     local.zero_grad()
     (out,) = md.remote_sync_call(inner_step_loss, args=(model, x), partitioner=0)
