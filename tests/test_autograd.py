@@ -531,14 +531,15 @@ def one_gradient_request_per_worker_per_backward(world_size: int) -> None:
 
 
 class _Chunks:
-    """One chunk of ``x`` per entry of ``workers`` (``w`` whole to each)."""
+    """One chunk of the last argument per entry of ``workers``, the others whole to each."""
 
     def __init__(self, workers: list[int]) -> None:
         self.workers = workers
 
-    def __call__(self, w: torch.Tensor, x: torch.Tensor) -> list[tuple[Any, Any, Any]]:
+    def __call__(self, *args: Any) -> list[tuple[Any, Any, Any]]:
+        *whole, x = args
         chunks = x.chunk(len(self.workers))
-        return [(k, (w, c), {}) for k, c in zip(self.workers, chunks, strict=True)]
+        return [(k, (*whole, c), {}) for k, c in zip(self.workers, chunks, strict=True)]
 
 
 def set_ahead_limit(seconds: float) -> float:
@@ -1302,18 +1303,6 @@ def answers_ahead_run_the_sources_hooks_once(world_size: int) -> None:
         assert ([1] if scale else []) == BACKWARD_HOOK_RUNS, (step, BACKWARD_HOOK_RUNS)
 
 
-class _SplitLast:
-    """One chunk of the last argument per entry of ``workers``, the others whole to each."""
-
-    def __init__(self, workers: list[int]) -> None:
-        self.workers = workers
-
-    def __call__(self, *args: Any) -> list[tuple[Any, Any, Any]]:
-        *whole, x = args
-        chunks = x.chunk(len(self.workers))
-        return [(k, (*whole, c), {}) for k, c in zip(self.workers, chunks, strict=True)]
-
-
 def fast_loss(m: nn.Module, fast: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return torch.func.functional_call(m, fast, (x,)).tanh().pow(2).mean()
 
@@ -1342,7 +1331,7 @@ def answers_ahead_leave_arguments_made_from_others_to_the_pass(world_size: int) 
         model.zero_grad(set_to_none=True)
         local.zero_grad(set_to_none=True)
         results = remote_sync_call(
-            fast_loss, args=(model, fast_weights(model, xs), x), partitioner=_SplitLast([0, 1, 2])
+            fast_loss, args=(model, fast_weights(model, xs), x), partitioner=_Chunks([0, 1, 2])
         )
         torch.stack(results).mean().backward()
         fast = fast_weights(local, xs)
@@ -1356,7 +1345,7 @@ def answers_ahead_leave_arguments_made_from_others_to_the_pass(world_size: int) 
     for step, scale in enumerate([1.0, 1.0, 1.0, 1.0, 3.0, 1.0]):
         w.grad = wl.grad = None
         loss = remote_sync_call(
-            twice_loss, args=(w, w * 2, x), partitioner=_SplitLast([0, 1, 2]), reducer=mean_reducer
+            twice_loss, args=(w, w * 2, x), partitioner=_Chunks([0, 1, 2]), reducer=mean_reducer
         )
         (loss * scale).backward()
         (twice_loss(wl, wl * 2, x) * scale).backward()
