@@ -91,7 +91,7 @@ EXPECTED_BLOCKS = {
     "docs/migrating.md": 12,
     "docs/multinode.md": 7,
     "docs/optim.md": 5,
-    "docs/performance.md": 11,
+    "docs/performance.md": 12,
     "docs/quickstart.md": 3,
     "docs/remote_calls.md": 6,
     "docs/security.md": 1,
