@@ -195,7 +195,8 @@ def _why_not(t: torch.Tensor) -> str | None:
 
 @dataclasses.dataclass(slots=True)
 class CallMemo:
-    """Per-call memo so that a module or parameter used by several partitions is encoded once."""
+    """Per-call memo so that a module or tensor used by several partitions, or twice in one,
+    is encoded once: one object in a message arrives as one object (pickle keeps identity)."""
 
     modules: dict[int, tuple[structure.SendPlan, tuple[Any, ...]]] = dataclasses.field(
         default_factory=dict
@@ -230,11 +231,7 @@ def _encode_module(
             _refuse(p, where, f"parameter {name!r} of module argument")
     requires_grad = sum(1 << i for i, (_, _, p) in enumerate(plan.param_reads) if p.requires_grad)
     hooked = sum(1 << i for i, (_, _, p) in enumerate(plan.param_reads) if p._backward_hooks)
-    # Attached, a non-leaf alias of a parameter is what distributed autograd records.
-    params = [
-        wire(torch.ops.aten.alias.default(p) if attached and p.requires_grad else p.detach(), dtype)
-        for _, _, p in plan.param_reads
-    ]
+    params = [_sent_tensor(p, dtype, memo, attached) for _, _, p in plan.param_reads]
     buffers = tuple(
         None if (b := modules[k]._buffers.get(name)) is None else wire(b.detach(), dtype)
         for k, name in plan.buffer_reads
@@ -243,6 +240,18 @@ def _encode_module(
     sent = (tuple(params), buffers, training, requires_grad, hooked)
     memo.modules[id(module)] = (plan, sent)
     return plan, sent
+
+
+def _sent_tensor(t: torch.Tensor, dtype: torch.dtype | None, memo: CallMemo, attached: bool) -> Any:
+    """What travels for tensor ``t``, made once per call: a parameter of a module argument
+    passed as an argument of its own too arrives as the same tensor on the worker."""
+    sent = memo.tensors.get(id(t))
+    if sent is None:
+        # Attached, a non-leaf alias is what distributed autograd links to the tensor.
+        alias = attached and t.requires_grad
+        sent = wire(torch.ops.aten.alias.default(t) if alias else t.detach(), dtype)
+        memo.tensors[id(t)] = sent
+    return sent
 
 
 _SCALARS = (str, bytes, int, float, complex, bool, type(None))
@@ -367,36 +376,41 @@ def encode(
         return args, kwargs, False, (), []  # the common fast path: nothing to rewrite
     leaves, rebuild = flatten_arguments(args, kwargs)
     new_structures: list[str] = []
-    sources: list[torch.Tensor] = []
+    # Each source once, in the order decode makes its leaf: an object in two places of the
+    # arguments (f(x, x), a model and its own parameters) is one object on the worker too.
+    sources: dict[int, torch.Tensor] = {}
+    refs: dict[int, Any] = {}  # this message's encoding of each module and tensor
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, nn.Module):
+        ref = refs.get(id(leaf))
+        if ref is not None:
+            leaves[i] = ref
+        elif isinstance(leaf, nn.Module):
             plan, sent = _encode_module(leaf, (args, kwargs, i), dtype, memo, attached)
             if not attached:
-                sources.extend(p for _, _, p in plan.param_reads if p.requires_grad)
+                for _, _, p in plan.param_reads:
+                    if p.requires_grad:
+                        sources.setdefault(id(p), p)
             bytes_ = None
             if not structure.is_confirmed(world, worker, plan.fingerprint):
                 bytes_ = plan.structure
                 new_structures.append(plan.fingerprint)
-            leaves[i] = _ModuleRef(plan.fingerprint, bytes_, *sent)
+            leaves[i] = refs[id(leaf)] = _ModuleRef(plan.fingerprint, bytes_, *sent)
         elif isinstance(leaf, torch.Tensor):
             _refuse(leaf, (args, kwargs, i))
             if leaf.requires_grad and not attached:
                 parameter, hooked = isinstance(leaf, nn.Parameter), bool(leaf._backward_hooks)
-                leaves[i] = _GradLeaf(wire(leaf.detach(), dtype), parameter, hooked)
-                sources.append(leaf)
+                sent = _sent_tensor(leaf, dtype, memo, attached)
+                leaves[i] = refs[id(leaf)] = _GradLeaf(sent, parameter, hooked)
+                sources.setdefault(id(leaf), leaf)
             elif isinstance(leaf, nn.Parameter):
-                sent = memo.tensors.get(id(leaf))
-                if sent is None:
-                    # An alias is what distributed autograd links to the parameter.
-                    t = torch.ops.aten.alias.default(leaf) if leaf.requires_grad else leaf.detach()
-                    sent = memo.tensors[id(leaf)] = wire(t, dtype)
-                leaves[i] = sent if leaf.requires_grad else _Parameter(sent)
+                sent = _sent_tensor(leaf, dtype, memo, attached)
+                leaves[i] = refs[id(leaf)] = sent if leaf.requires_grad else _Parameter(sent)
             else:
-                leaves[i] = wire(leaf, dtype)
+                leaves[i] = refs[id(leaf)] = wire(leaf, dtype)
         elif not is_plain(leaf):
             refuse_hidden_grad(leaf, f"argument {_name((args, kwargs, i))}")
     new_args, new_kwargs = rebuild(leaves)
-    return new_args, new_kwargs, True, tuple(new_structures), sources
+    return new_args, new_kwargs, True, tuple(new_structures), list(sources.values())
 
 
 def grad_sources(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
@@ -456,23 +470,44 @@ def _hooks_skipped(what: str, _: torch.Tensor) -> None:
 
 
 def _decode_module(
-    ref: _ModuleRef, leaves: list[torch.Tensor] | None, guards: list[Any]
+    ref: _ModuleRef, leaves: list[torch.Tensor] | None, guards: list[Any], made: dict[int, Any]
 ) -> nn.Module:
-    params = [unwire(t) for t in ref.params]
-    if leaves is not None:
-        # Sent detached: the worker's module holds nn.Parameter leaves, as the caller's does,
-        # and the worker differentiates with respect to them when asked (metadist.worker).
-        params = [
-            nn.Parameter(t, requires_grad=bool(ref.requires_grad >> i & 1))
-            for i, t in enumerate(params)
-        ]
-        for i, p in enumerate(params):
-            if ref.hooked >> i & 1 and p.requires_grad:
-                what = f"parameter {i} of a module argument"
-                guards.append(p.register_hook(functools.partial(_hooks_skipped, what)))
-        leaves.extend(p for p in params if p.requires_grad)
+    params = []
+    for i, sent in enumerate(ref.params):
+        p = made.get(id(sent))
+        if p is None:
+            p = unwire(sent)
+            if leaves is not None:
+                # Sent detached: the worker's module holds nn.Parameter leaves, as the caller's
+                # does, and the worker differentiates with respect to them when asked.
+                p = nn.Parameter(p, requires_grad=bool(ref.requires_grad >> i & 1))
+                if ref.hooked >> i & 1 and p.requires_grad:
+                    what = f"parameter {i} of a module argument"
+                    guards.append(p.register_hook(functools.partial(_hooks_skipped, what)))
+                if p.requires_grad:
+                    leaves.append(p)
+            made[id(sent)] = p
+        params.append(p)
     rebuilder = structure.rebuilder(ref.fingerprint, ref.structure)
     return rebuilder.build(params, [unwire(b) for b in ref.buffers], ref.training)
+
+
+def _decode_tensor(leaf: Any, i: int, leaves: list[torch.Tensor] | None, guards: list[Any]) -> Any:
+    if isinstance(leaf, _GradLeaf):
+        t = unwire(leaf.tensor)
+        if leaf.parameter:
+            t = nn.Parameter(t)
+        else:
+            t = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
+        if leaf.hooked:
+            what = f"argument {i} (flattened)"
+            guards.append(t.register_hook(functools.partial(_hooks_skipped, what)))
+        if leaves is not None:
+            leaves.append(t)
+        return t
+    if isinstance(leaf, _Parameter):
+        return nn.Parameter(unwire(leaf.tensor), requires_grad=False)
+    return unwire(leaf)
 
 
 def decode(
@@ -487,28 +522,22 @@ def decode(
     ``RuntimeError`` for a structure neither sent nor cached.
     """
     flat, rebuild = flatten_arguments(args, kwargs)
-    made: list[torch.Tensor] | None = [] if leaves else None
+    grad_leaves: list[torch.Tensor] | None = [] if leaves else None
     guards: list[Any] = []
+    # Decoded once per object sent: what was one object on the caller is one here (the message
+    # holds one object for it, see encode), a module parameter passed beside its module too.
+    made: dict[int, Any] = {}
     for i, leaf in enumerate(flat):
-        if isinstance(leaf, _ModuleRef):
-            flat[i] = _decode_module(leaf, made, guards)
-        elif isinstance(leaf, _GradLeaf):
-            t = unwire(leaf.tensor)
-            if leaf.parameter:
-                flat[i] = nn.Parameter(t)
-            else:
-                flat[i] = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
-            if leaf.hooked:
-                what = f"argument {i} (flattened)"
-                guards.append(flat[i].register_hook(functools.partial(_hooks_skipped, what)))
-            if made is not None:
-                made.append(flat[i])
-        elif isinstance(leaf, _Parameter):
-            flat[i] = nn.Parameter(unwire(leaf.tensor), requires_grad=False)
-        else:
-            flat[i] = unwire(leaf)
+        key = id(leaf.tensor) if isinstance(leaf, (_GradLeaf, _Parameter)) else id(leaf)
+        done = made.get(key)
+        if done is not None:
+            flat[i] = done
+        elif isinstance(leaf, _ModuleRef):
+            flat[i] = made[key] = _decode_module(leaf, grad_leaves, guards, made)
+        elif isinstance(leaf, (torch.Tensor, _Wire)):
+            flat[i] = made[key] = _decode_tensor(leaf, i, grad_leaves, guards)
     new_args, new_kwargs = rebuild(flat)
-    return new_args, new_kwargs, made or [], guards
+    return new_args, new_kwargs, grad_leaves or [], guards
 
 
 def unwire_tree(tree: Any) -> Any:

@@ -648,6 +648,72 @@ def hooked_parameters_are_exact_or_refused(world_size: int) -> None:
         assert_close(a, b, "inner step on the caller, hooked parameters")
 
 
+def grads_of_own_parameters(
+    model: nn.Module, params: list[torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
+    """An inner step written against the model's parameters, passed beside the model."""
+    loss = model(x).pow(2).mean()
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    return loss + sum(g.pow(2).sum() for g in grads)
+
+
+def identities(a: Any, b: Any, m: nn.Module, n: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Which of its arguments are one object, as a number: locally ``a is b``, ``m is n``."""
+    seen = 4.0 * (a is b) + 2.0 * (m is n) + 1.0 * (m.weight is a)
+    return (x @ a.T).sum() + (m(x) + n(x)).sum() + seen
+
+
+def _split_last(partitioner: Any, parts: list[torch.Tensor]) -> Any:
+    """``partitioner`` 1 as it is; otherwise the last argument's ``parts`` over the workers."""
+    if partitioner == 1:
+        return 1
+    return lambda *args: [(w, (*args[:-1], c), {}) for w, c in enumerate(parts)]
+
+
+def one_object_twice_is_one_object_on_a_worker(world_size: int) -> None:
+    """An object in two places of a call's arguments is one object on a worker, as locally."""
+    x = torch.randn(6, 3)
+    for partitioner in (1, "split"):
+        parts = [x] if partitioner == 1 else list(torch.tensor_split(x, world_size))
+        split = _split_last(partitioner, parts)
+        for frozen in (False, True):
+            torch.manual_seed(3)
+            model, local = nn.Linear(3, 2), nn.Linear(3, 2)
+            local.load_state_dict(model.state_dict())
+            model.weight.requires_grad_(not frozen)
+            local.weight.requires_grad_(not frozen)
+            how = f"({'frozen' if frozen else 'trained'} weight, partitioner {partitioner})"
+            # A model and its own parameters, differentiated with respect to them inside.
+            params = [p for p in model.parameters() if p.requires_grad]
+            out = md.remote_sync_call(
+                grads_of_own_parameters,
+                args=(model, params, x),
+                partitioner=split,
+                reducer=md.sum_reducer,
+            )
+            out.backward()
+            local_params = [p for p in local.parameters() if p.requires_grad]
+            expected = sum(grads_of_own_parameters(local, local_params, c) for c in parts)
+            expected.backward()
+            assert_close(out.detach(), expected.detach(), f"own parameters value {how}")
+            for a, b in zip(params, local_params, strict=True):
+                assert_close(a.grad, b.grad, f"own parameters gradient {how}")  # type: ignore[arg-type]
+            # A tensor twice, a module twice, a module's parameter beside it.
+            for what, a in (
+                ("its weight", model.weight),
+                ("a leaf", torch.randn(2, 3, requires_grad=True)),
+                ("a tensor", torch.randn(2, 3)),
+            ):
+                out = md.remote_sync_call(
+                    identities,
+                    args=(a, a, model, model, x),
+                    partitioner=split,
+                    reducer=md.sum_reducer,
+                )
+                local_value = sum(identities(a, a, model, model, c) for c in parts)
+                assert_close(out.detach(), local_value.detach(), f"identities, {what} {how}")
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     module_structures_are_cached_per_worker,  # first: it counts the structures worker 1 holds
     rnn_modules_equal_local,
@@ -667,6 +733,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     parameters_arrive_as_parameters,
     non_leaf_arguments_pass_gradients_on,
     hooked_parameters_are_exact_or_refused,
+    one_object_twice_is_one_object_on_a_worker,
 ]
 
 
