@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -387,10 +388,14 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
             return [tensor]
         # Pieces of a tensor that requires grad stay its views under the caller's no_grad too,
         # as the tensor itself is to a function that enables grad inside (an inner loop).
+        # One view op per piece, not split's or unbind's one for all: torch refuses in-place
+        # changes of views that one op returned together, and the caller's own piece takes
+        # them as the whole tensor does.
         with torch.enable_grad():
-            if not self.exclusive:
-                return tensor.split(sizes, dim)
-            return tensor.split(1, dim) if self.keepdim else tensor.unbind(dim)
+            if self.exclusive and not self.keepdim:
+                return [tensor.select(dim, i) for i in range(tensor.shape[dim])]
+            starts = itertools.accumulate(sizes[:-1], initial=0)
+            return [tensor.narrow(dim, i, k) for i, k in zip(starts, sizes, strict=True)]
 
 
 def dim_partitioner(

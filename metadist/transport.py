@@ -113,11 +113,23 @@ class _GradLeaf(_Wire):
     """A tensor that requires grad, travelling detached; the worker makes it a leaf that
     requires grad again (also under the caller's ``torch.no_grad()``, for an inner loop that
     differentiates locally inside the remote function, as it would locally), an
-    ``nn.Parameter`` if it was one."""
+    ``nn.Parameter`` if it was one. The function gets what the caller's tensor was
+    (``origin``): that leaf, a view of it, or a tensor computed from it (a copy), so that
+    in-place changes work, or raise torch's error, as they would on the caller's tensor."""
 
     tensor: Any
     parameter: bool
     hooked: bool  # see _hooks_skipped
+    origin: int  # _LEAF, _LEAF_VIEW or _COMPUTED
+
+
+_LEAF, _LEAF_VIEW, _COMPUTED = 0, 1, 2
+
+
+def _origin(t: torch.Tensor) -> int:
+    if t.is_leaf:
+        return _LEAF
+    return _LEAF_VIEW if t._base is not None and t._base.is_leaf else _COMPUTED
 
 
 @dataclasses.dataclass(slots=True)
@@ -400,7 +412,8 @@ def encode(
             if leaf.requires_grad and not attached:
                 parameter, hooked = isinstance(leaf, nn.Parameter), bool(leaf._backward_hooks)
                 sent = _sent_tensor(leaf, dtype, memo, attached)
-                leaves[i] = refs[id(leaf)] = _GradLeaf(sent, parameter, hooked)
+                grad_leaf = _GradLeaf(sent, parameter, hooked, _origin(leaf))
+                leaves[i] = refs[id(leaf)] = grad_leaf
                 sources.setdefault(id(leaf), leaf)
             elif isinstance(leaf, nn.Parameter):
                 sent = _sent_tensor(leaf, dtype, memo, attached)
@@ -504,6 +517,11 @@ def _decode_tensor(leaf: Any, i: int, leaves: list[torch.Tensor] | None, guards:
             guards.append(t.register_hook(functools.partial(_hooks_skipped, what)))
         if leaves is not None:
             leaves.append(t)
+        if leaf.origin != _LEAF:
+            with torch.enable_grad():
+                # Not a view for a computed tensor: torch refuses in-place changes of a leaf's
+                # views, and allows them on a computed tensor.
+                return t.view_as(t) if leaf.origin == _LEAF_VIEW else t.clone()
         return t
     if isinstance(leaf, _Parameter):
         return nn.Parameter(unwire(leaf.tensor), requires_grad=False)

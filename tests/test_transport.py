@@ -714,6 +714,58 @@ def one_object_twice_is_one_object_on_a_worker(world_size: int) -> None:
                 assert_close(out.detach(), local_value.detach(), f"identities, {what} {how}")
 
 
+def doubles_in_place(x: torch.Tensor) -> torch.Tensor:
+    x.mul_(2)  # allowed on a computed tensor, refused on a leaf and its views
+    return (x * x).sum()
+
+
+def leafness(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(float(x.is_leaf))
+
+
+def in_place_changes_of_arguments_work_or_raise_as_locally(world_size: int) -> None:
+    """An argument computed from a leaf takes in-place changes on a worker, as on the caller;
+    a leaf and its views raise torch's error there too."""
+    w = torch.randn(6, 3, requires_grad=True)
+    one_piece_each: dict[str, Any] = {
+        "caller": 0,
+        "worker": 1,
+        "split": dim_partitioner(0),
+        "split, workers only": dim_partitioner(0, workers=[1, 2]),
+    }
+    rows = {
+        "one row each": dim_partitioner(0, exclusive=True),
+        "one row each, dim dropped": dim_partitioner(0, exclusive=True, keepdim=False),
+    }
+    for name, partitioner in {**one_piece_each, **rows}.items():
+        for x in (w, w * 1.5, w[1:]):
+            flags = md.remote_sync_call(leafness, args=(x,), partitioner=partitioner)
+            whole = partitioner in (0, 1)  # else every partition gets a view: not a leaf
+            assert all(float(f) == (x.is_leaf and whole) for f in flags), (name, flags)
+    for name, partitioner in one_piece_each.items():
+        w.grad = None
+        out = md.remote_sync_call(
+            doubles_in_place, args=(w * 1.5,), partitioner=partitioner, reducer=md.sum_reducer
+        )
+        out.backward()  # as the whole tensor's, in one process
+        assert_close(out.detach(), (3 * w.detach()).pow(2).sum(), f"value ({name})")
+        assert_close(w.grad, 18 * w.detach(), f"gradient ({name})")  # type: ignore[arg-type]
+        expected = "view of a leaf Variable" if name.startswith("split") else "leaf Variable"
+        with pytest.raises(RuntimeError, match=expected):  # wherever it runs
+            md.remote_sync_call(doubles_in_place, args=(w,), partitioner=partitioner)
+    for partitioner in rows.values():
+        # The caller's two rows are views of one tensor: changing the second in place
+        # invalidates what the first saved, as one call per row does in one process.
+        out = md.remote_sync_call(
+            doubles_in_place, args=(w * 1.5,), partitioner=partitioner, reducer=md.sum_reducer
+        )
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+    x = w * 1.5
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        sum(doubles_in_place(x.select(0, i)) for i in range(len(x))).backward()  # type: ignore[union-attr]
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     module_structures_are_cached_per_worker,  # first: it counts the structures worker 1 holds
     rnn_modules_equal_local,
@@ -734,6 +786,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     non_leaf_arguments_pass_gradients_on,
     hooked_parameters_are_exact_or_refused,
     one_object_twice_is_one_object_on_a_worker,
+    in_place_changes_of_arguments_work_or_raise_as_locally,
 ]
 
 
