@@ -479,17 +479,32 @@ def use_process_threads() -> None:
 # Rank selectors: the rank is checked at call time, so they can decorate at import. A rank beyond
 # the world never matches, so a script written for N workers runs unchanged in a world of 1.
 def _selector(
-    api: str, ranks: tuple[int, ...], run_on_listed: bool
+    api: str, ranks: tuple[int, ...], run_on_listed: bool, *, fixed: bool = False
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+    if len(ranks) == 1 and callable(ranks[0]):
+        # `@on_rank` without brackets hands the decorated function over as the only rank.
+        name = getattr(ranks[0], "__qualname__", repr(ranks[0]))
+        raise TypeError(
+            f"{api}(...) takes the ranks, as in @{api}(0); it was applied to the function "
+            f"{name} directly"
+        )
     if not ranks:
-        raise ValueError(f"{api} needs at least one rank, got none")
+        raise ValueError(f"{api}() needs at least one rank, as in @{api}(0); got none")
     for rank in ranks:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"{api}: ranks must be non-negative ints, got {rank!r}")
+            raise ValueError(
+                f"{api}(...): ranks must be non-negative ints, as in @{api}(0); got {rank!r} "
+                f"of type {type(rank).__name__}"
+            )
 
     def decorator(func: Callable[P, R]) -> Callable[P, R | None]:
         if not callable(func):
-            raise TypeError(f"{api}: expected a function to decorate, got {func!r}")
+            # One statement: mypy takes func for callable, and lets only the raise be unreachable.
+            raise TypeError(
+                f"{api}: expected a function to decorate, got {func!r} of type "
+                f"{type(func).__name__}"
+                + (f" ({api} takes no ranks: write @{api}, without brackets)" if fixed else "")
+            )
 
         @functools.wraps(func)
         def wrapped(*args: P.args, **kwargs: P.kwargs) -> R | None:
@@ -507,7 +522,11 @@ def on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
         *ranks: The ranks that run the function.
 
     Returns:
-        A decorator; ``ValueError`` if no rank is given or one is not a non-negative int.
+        A decorator.
+
+    Raises:
+        ValueError: No rank is given, or one is not a non-negative int.
+        TypeError: The decorator was applied to a function directly, without the ranks.
     """
     return _selector("on_rank", ranks, run_on_listed=True)
 
@@ -519,7 +538,11 @@ def not_on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]
         *ranks: The ranks that skip the function.
 
     Returns:
-        A decorator; ``ValueError`` if no rank is given or one is not a non-negative int.
+        A decorator.
+
+    Raises:
+        ValueError: No rank is given, or one is not a non-negative int.
+        TypeError: The decorator was applied to a function directly, without the ranks.
     """
     return _selector("not_on_rank", ranks, run_on_listed=False)
 
@@ -533,7 +556,7 @@ def rank_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
     Returns:
         A wrapper returning ``func``'s result on rank 0 and ``None`` on other ranks.
     """
-    return _selector("rank_zero_only", (0,), run_on_listed=True)(func)
+    return _selector("rank_zero_only", (0,), run_on_listed=True, fixed=True)(func)
 
 
 def rank_non_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
@@ -545,4 +568,4 @@ def rank_non_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
     Returns:
         A wrapper returning ``func``'s result on ranks other than 0 and ``None`` on rank 0.
     """
-    return _selector("rank_non_zero_only", (0,), run_on_listed=False)(func)
+    return _selector("rank_non_zero_only", (0,), run_on_listed=False, fixed=True)(func)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch.distributed.rpc as rpc
-from _bad_input import Row, table_test
+from _bad_input import Row, double, table_test
 from _dist import REPO, non_loopback_listeners, run_command, run_torchrun, run_world
 
 import metadist
@@ -178,20 +178,63 @@ def test_rank_selectors_in_world_of_one(clean_env: pytest.MonkeyPatch) -> None:
     assert non_zero() == "nz"
 
 
+def _decorated() -> None:
+    pass
+
+
 @pytest.mark.parametrize(
-    ("factory", "ranks", "pattern"),
+    ("factory", "ranks", "error", "pattern"),
     [
-        (metadist.on_rank, (), r"on_rank needs at least one rank"),
-        (metadist.on_rank, (-1,), r"on_rank: ranks must be non-negative ints, got -1"),
-        (metadist.not_on_rank, ("0",), r"not_on_rank: ranks must be non-negative ints, got '0'"),
-        (metadist.on_rank, (True,), r"got True"),
+        (
+            metadist.on_rank,
+            (),
+            ValueError,
+            r"on_rank\(\) needs at least one rank, as in @on_rank\(0\)",
+        ),
+        (
+            metadist.on_rank,
+            (-1,),
+            ValueError,
+            r"on_rank\(\.\.\.\): ranks must be non-negative ints, .*got -1 of type int",
+        ),
+        (
+            metadist.not_on_rank,
+            ("0",),
+            ValueError,
+            r"not_on_rank\(\.\.\.\): ranks must be non-negative ints, .*got '0' of type str",
+        ),
+        (metadist.on_rank, (True,), ValueError, r"got True of type bool"),
+        # `@on_rank` without brackets: the function arrives as the only rank.
+        (
+            metadist.on_rank,
+            (_decorated,),
+            TypeError,
+            r"on_rank\(\.\.\.\) takes the ranks, as in @on_rank\(0\); it was applied to the "
+            r"function _decorated directly",
+        ),
+        (metadist.not_on_rank, (_decorated,), TypeError, r"@not_on_rank\(0\).*_decorated directly"),
+    ],
+    ids=[
+        "none",
+        "negative",
+        "str",
+        "bool",
+        "on_rank without brackets",
+        "not_on_rank without brackets",
     ],
 )
 def test_rank_selectors_reject_bad_ranks(
-    factory: object, ranks: tuple[object, ...], pattern: str
+    factory: object, ranks: tuple[object, ...], error: type[Exception], pattern: str
 ) -> None:
-    with pytest.raises(ValueError, match=pattern):
+    with pytest.raises(error, match=pattern):
         factory(*ranks)  # type: ignore[operator]
+
+
+def test_rank_zero_only_given_a_rank_says_it_takes_none() -> None:
+    with pytest.raises(
+        TypeError, match=r"got 0 of type int \(rank_zero_only takes no ranks: write"
+    ):
+        metadist.rank_zero_only(0)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,6 +462,18 @@ ROWS = [
     ),
     Row("on_rank none", lambda fx: metadist.on_rank(), ValueError, r"on_rank.*rank"),
     Row("on_rank negative", lambda fx: metadist.on_rank(-1), ValueError, r"ranks.*-1"),
+    Row(
+        "on_rank without brackets",
+        lambda fx: metadist.on_rank(double),  # type: ignore[arg-type]
+        TypeError,
+        r"on_rank\(\.\.\.\) takes the ranks, as in @on_rank\(0\).*function double directly",
+    ),
+    Row(
+        "not_on_rank float",
+        lambda fx: metadist.not_on_rank(1.0),  # type: ignore[arg-type]
+        ValueError,
+        r"not_on_rank\(\.\.\.\): ranks must be non-negative ints.*got 1\.0 of type float",
+    ),
 ]
 
 
