@@ -39,6 +39,7 @@ __all__ = [
     "not_on_rank",
     "on_rank",
     "rank_non_zero_only",
+    "rank_of",
     "rank_zero_only",
     "require_rpc",
     "use_process_threads",
@@ -339,6 +340,14 @@ def get_worker_name(id: str | int | None = None) -> str:
     """
     rank = get_worker_id(id)
     return _runtime("metadist.get_worker_name").names[rank]
+
+
+def rank_of(worker: str) -> int | None:
+    """The rank of the worker named ``worker`` in the running world; ``None`` if it has none."""
+    runtime = _current_runtime()
+    if runtime is None or worker not in runtime.names:
+        return None
+    return runtime.names.index(worker)
 
 
 def _known_workers(world_size: int) -> str:
