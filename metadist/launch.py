@@ -431,8 +431,9 @@ def _run_in_world(
     return result
 
 
-# Every worker announces at rank 0 that its job is done, under this rendezvous key.
-_DONE = ("<done>",)
+# Every worker announces at rank 0 that its job is done, under this rendezvous key (a barrier's
+# coordinator reads it there: a member that finished its job never arrives).
+_DONE = world.JOB_DONE
 
 ABORT_GRACE = 2.0  # seconds a Ctrl-C'd worker gives its local RPC teardown
 

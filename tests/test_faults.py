@@ -197,8 +197,10 @@ def test_a_timed_out_command_leaves_no_process_behind() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Dead workers met by calls: `fault_job.py dead`, one world of 4 for the tests below, each
-# reading its step's line. torch says only "EOF: end of file" (or EPIPE) for a worker that is gone.
+# Dead and finished workers met by calls and barriers: `fault_job.py dead`, one world of 4 for
+# the tests below, each reading its step's line. torch says only "EOF: end of file" (or EPIPE)
+# for a worker that is gone, and a barrier waits out its timeout (30 s here) for a worker that
+# never arrives.
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +267,27 @@ def test_a_call_to_a_dead_worker_says_it_is_gone(
     assert f"worker {worker} closed its connection: the process exited or crashed" in outcome
     assert re.search(_TORCH_SAYS, outcome), outcome  # torch's own message is kept
     assert seconds < 5, outcome
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("step", "why"),
+    [
+        # rank 0 coordinates: it finds worker2 gone
+        ("barrier with a dead worker", "worker 'worker2' (rank 2) closed its connection"),
+        # worker3 waits; the coordinator (rank 0, arriving later) tells it
+        ("member barrier with a dead worker", "worker 'worker2' (rank 2) closed its connection"),
+        # worker1 returned from its job before the barrier
+        ("barrier with a finished worker", "worker 'worker1' (rank 1) finished its job"),
+    ],
+)
+def test_a_barrier_fails_promptly_naming_a_worker_that_never_arrives(
+    dead_job: dict[str, str], step: str, why: str
+) -> None:
+    outcome, seconds = _step(dead_job, step)
+    assert outcome.startswith("RuntimeError: barrier over ['worker0', "), outcome
+    assert why in outcome, outcome
+    assert "never arrives" in outcome, outcome
+    # Its timeout is 30 s: the coordinator finds out within about 2 * BARRIER_CHECK_S (the
+    # member's wait also holds the time until rank 0 joins the barrier).
+    assert seconds < (20 if step.startswith("member") else 5), outcome

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 
 import pytest
@@ -319,6 +320,11 @@ def _worker_state() -> tuple[bool, metadist.WorldInfo, str, set[tuple[str, int]]
 
 
 _ENTERED_BARRIER = 0.0
+_TIMED_OUT = threading.Event()  # set on rank 2 once ranks 0 and 1 saw their barrier time out
+
+
+def _timed_out() -> None:
+    _TIMED_OUT.set()
 
 
 def _entered_barrier() -> float:
@@ -365,9 +371,14 @@ def run_world_checks(rank: int, world_size: int) -> None:
     if rank in (0, 2):
         metadist.barrier([names[0], 2])
     # A barrier a worker never joins times out with a clear error instead of hanging or passing.
+    # That worker stays in its job meanwhile: one that finished fails the barrier at once.
     if rank in (0, 1):
         with pytest.raises(TimeoutError, match=r"barrier over .* timed out after 1\.0 s"):
             metadist.barrier(timeout=1.0)
+    if rank == 0:
+        rpc.rpc_sync(names[2], _timed_out)
+    if rank == 2:
+        assert _TIMED_OUT.wait(60)
     if rank == 1:
         with pytest.raises(
             ValueError, match=r"this worker \('trainer-1-of-3-local1'\) must be one of"

@@ -4,8 +4,9 @@ Modes: ``hang`` (rank 0 waits forever on a remote call, for signal tests; ``hang
 the same in a world of 1, run without torchrun), ``kill`` (the
 worker serving rank 0's call is SIGKILLed in the middle of it), ``inflight`` (rank 0 returns
 while a ``timeout=None`` call that never ends is still running) and ``dead`` (a world of 4:
-worker2 exits at once, then rank 0 calls it, and kills worker1 in the middle of a call). ``dead``
-prints one ``STEP name -> outcome (seconds)`` line per step.
+worker2 exits at once and worker1 returns from its job, then rank 0 calls the dead worker, meets
+both in barriers, and kills worker1 in the middle of a call; worker3 waits in a barrier with
+worker2). ``dead`` prints one ``STEP name -> outcome (seconds)`` line per step.
 """
 
 from __future__ import annotations
@@ -77,10 +78,13 @@ def dead(rank: int) -> None:
     if rank == 2:
         rpc.rpc_sync(0, note_pid, args=(2, os.getpid()))
         os._exit(3)
-    if rank == 3:
+    if rank == 3:  # waits for worker2 in a barrier that rank 0, its coordinator, joins later
+        _step("member barrier with a dead worker", lambda: metadist.barrier([0, 2, 3], timeout=30))
         return
     _wait_gone(_wait_for_pid(2))
     _step("first call to a dead worker", lambda: metadist.remote_sync_call(one, partitioner=2))
+    _step("barrier with a dead worker", lambda: metadist.barrier([0, 2, 3], timeout=30))
+    _step("barrier with a finished worker", lambda: metadist.barrier([0, 1], timeout=30))
     _step(
         "call during which the worker dies", lambda: metadist.remote_sync_call(die, partitioner=1)
     )
