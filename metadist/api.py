@@ -34,9 +34,11 @@ from metadist._pytree import tree_flatten
 from metadist.errors import (
     RemoteError,
     RemoteFailure,
+    is_connection_lost,
     is_timeout,
     qualified_name,
     resolve_qualified_name,
+    worker_gone,
 )
 from metadist.partition import batch_partitioner
 from metadist.reduce import PartitionResults, check_sizes
@@ -252,9 +254,13 @@ def _rpc_error(
         )
         late.worker_name, late.partition_index = worker, index  # type: ignore[attr-defined]
         return late
+    message = f"partition {index} of {count} on worker {worker!r} failed in RPC: "
+    if is_connection_lost(error):
+        # torch says only "EOF: end of file" (or EPIPE, ...): say that the worker is gone.
+        gone = worker_gone(worker, world.rank_of(worker))
+        message = f"partition {index} of {count} failed: {gone}. torch's RPC error: "
     return RemoteError(
-        f"partition {index} of {count} on worker {worker!r} failed in RPC: "
-        f"{type(error).__name__}: {text}",
+        f"{message}{type(error).__name__}: {text}",
         worker_name=worker,
         partition_index=index,
         remote_type=qualified_name(type(error)),

@@ -53,8 +53,8 @@ from torch.distributed.autograd import get_gradients as _dist_get_gradients  # t
 from metadist import ahead, timeline, transport
 from metadist import worker as remote_worker
 from metadist._pytree import tree_flatten, tree_unflatten
-from metadist.errors import RemoteError, RemoteFailure
-from metadist.world import require_rpc
+from metadist.errors import RemoteError, RemoteFailure, is_connection_lost, worker_gone
+from metadist.world import rank_of, require_rpc
 
 __all__ = ["backward", "context", "get_gradients", "grad", "is_available"]
 
@@ -214,10 +214,11 @@ def _answers(worker: str, future: Any) -> list[Any]:
     try:
         value = future.wait()
     except Exception as error:
+        what = f"to worker {worker!r} failed in RPC"
+        if is_connection_lost(error):
+            what = f"failed: {worker_gone(worker, rank_of(worker))}. torch's RPC error"
         raise RemoteError(
-            f"the gradient request to worker {worker!r} failed in RPC: {type(error).__name__}: "
-            f"{error}",
-            worker_name=worker,
+            f"the gradient request {what}: {type(error).__name__}: {error}", worker_name=worker
         ) from error
     if isinstance(value, RemoteFailure):
         raise value.to_exception(-1, 0, "backward of a remote call")

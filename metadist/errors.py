@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import sys
 import traceback
 from typing import Any
 
-__all__ = ["RemoteError", "RemoteFailure", "is_timeout", "qualified_name", "resolve_qualified_name"]
+__all__ = [
+    "RemoteError",
+    "RemoteFailure",
+    "is_connection_lost",
+    "is_timeout",
+    "qualified_name",
+    "resolve_qualified_name",
+    "worker_gone",
+]
 
 
 def is_timeout(error: BaseException) -> bool:
@@ -17,6 +26,24 @@ def is_timeout(error: BaseException) -> bool:
         return True
     text = str(error).lower()
     return "timeout" in text or "timed out" in text
+
+
+# TensorPipe names a lost connection by its libuv error: EOF when the peer's process went away
+# while a call was in flight or since (its socket closed), EPIPE / ECONNRESET when this side wrote
+# to it, ECONNREFUSED when it had stopped listening before this side first connected.
+_CONNECTION_LOST = re.compile(r"\b(EOF: end of file|EPIPE|ECONNRESET|ECONNREFUSED|ECONNABORTED)\b")
+
+
+def is_connection_lost(error: BaseException) -> bool:
+    """Whether ``error`` says the connection to the other worker is gone (its process exited or
+    crashed): torch's RPC reports that only in its message, as TensorPipe's transport error."""
+    return not isinstance(error, TimeoutError) and _CONNECTION_LOST.search(str(error)) is not None
+
+
+def worker_gone(worker: str, rank: int | None = None) -> str:
+    """The sentence that says ``worker`` (rank ``rank``, when known) is gone."""
+    who = f"worker {worker!r}" if rank is None else f"worker {worker!r} (rank {rank})"
+    return f"{who} closed its connection: the process exited or crashed"
 
 
 def qualified_name(obj: Any) -> str:

@@ -335,8 +335,13 @@ def _listener_and_rendezvous(
     # torchrun's agent holds one store across --max-restarts: metadist-elastic:// keeps them apart.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if binding.loopback and not agent_store:
-        # torch's rendezvous adds rank and world_size to the query itself.
-        return binding, f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"
+        # torch's rendezvous adds rank and world_size to the query itself. port_from: what the
+        # store's errors name (srun derives the port from the job id where MASTER_PORT is unset).
+        port_from = "MASTER_PORT" if os.environ.get("MASTER_PORT") else "SLURM_JOB_ID"
+        return binding, (
+            f"{network.LOOPBACK_SCHEME}://127.0.0.1:{master_port}?timeout={timeout}"
+            f"&port_from={port_from}"
+        )
     if launch.launcher == "torchrun":
         return binding, f"{network.ELASTIC_SCHEME}://" if agent_store else "env://"
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
@@ -431,8 +436,9 @@ def _run_in_world(
     return result
 
 
-# Every worker announces at rank 0 that its job is done, under this rendezvous key.
-_DONE = ("<done>",)
+# Every worker announces at rank 0 that its job is done, under this rendezvous key (a barrier's
+# coordinator reads it there: a member that finished its job never arrives).
+_DONE = world.JOB_DONE
 
 ABORT_GRACE = 2.0  # seconds a Ctrl-C'd worker gives its local RPC teardown
 

@@ -1,16 +1,23 @@
 """Where RPC listens and how workers rendezvous. RPC is unauthenticated and unpickles what it
 receives, so TensorPipe and Gloo are pinned to the chosen interface (``*_SOCKET_IFNAME``), and a
-loopback run's rendezvous store listens on ``127.0.0.1`` only (torch's binds every interface)."""
+loopback run's rendezvous store listens on ``127.0.0.1`` only (torch's binds every interface).
+
+A loopback rendezvous never hangs on a port another program holds: rank 0 says the port is
+taken, and the other ranks give up once the listener there fails to answer as a store (torch's
+client would wait for its reply forever: its constructor's timeout bounds only connecting)."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import ipaddress
 import os
 import socket
 import struct
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +30,14 @@ __all__ = [
     "ELASTIC_SCHEME",
     "LOCAL_SCHEME",
     "LOOPBACK_SCHEME",
+    "STORE_ANSWER_S",
     "Binding",
     "choose_binding",
     "default_route_interface",
     "free_loopback_port",
     "install_rendezvous_handlers",
     "ipv4_of",
+    "port_name",
     "socket_ifname_env",
     "user_binding",
 ]
@@ -163,16 +172,118 @@ def _local_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, int
     yield HashStore(), 0, 1
 
 
+#: Seconds the rendezvous store has, once its port accepts connections, to answer a rank that
+#: joins it. Rank 0's store answers at once, from a thread of its own; a program that listens
+#: on the port and never reads does not, and torch's client would wait for it forever.
+STORE_ANSWER_S = 5.0
+
+
+def port_name(port: int, origin: str = "MASTER_PORT") -> str:
+    """How a message names the rendezvous port: ``MASTER_PORT=29500``, or where it came from."""
+    if origin == "MASTER_PORT":
+        return f"MASTER_PORT={port}"
+    return f"port {port} (derived from {origin}; set MASTER_PORT to choose another)"
+
+
 def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, int]]:
     parsed = urlparse(url)
     query = dict(parse_qsl(parsed.query))
     rank, world_size = int(query["rank"]), int(query["world_size"])
-    timeout = datetime.timedelta(seconds=float(query.get("timeout", "300")))
+    timeout = float(query.get("timeout", "300"))
     port = int(parsed.port or 0)
-    # Rank 0 hands the store its own listening socket (create_server sets SO_REUSEADDR).
-    fd = socket.create_server(("127.0.0.1", port), backlog=128).detach() if rank == 0 else None
-    store = TCPStore("127.0.0.1", port, world_size, rank == 0, timeout, master_listen_fd=fd)
+    name = port_name(port, query.get("port_from", "MASTER_PORT"))
+    if rank == 0:
+        store = _serve_store(port, world_size, timeout, name)
+    else:
+        store = _join_store(port, world_size, timeout, name)
     yield store, rank, world_size
+
+
+def _serve_store(port: int, world_size: int, timeout: float, name: str) -> TCPStore:
+    # Rank 0 hands the store its own listening socket (create_server sets SO_REUSEADDR).
+    try:
+        fd = socket.create_server(("127.0.0.1", port), backlog=128).detach()
+    except OSError as error:
+        if error.errno != errno.EADDRINUSE:
+            raise
+        raise OSError(
+            errno.EADDRINUSE,
+            f"{name} is taken: another process already listens on port {port} of this machine "
+            f"(an earlier job still running, or another program), so rank 0 cannot serve the "
+            f"rendezvous there. Choose a free MASTER_PORT for every rank (`ss -ltnp | grep "
+            f":{port}` shows who holds this one), or launch with `torchrun --standalone`, which "
+            f"picks one",
+        ) from None
+    return TCPStore(
+        "127.0.0.1",
+        port,
+        world_size,
+        True,
+        datetime.timedelta(seconds=timeout),
+        master_listen_fd=fd,
+    )
+
+
+def _join_store(port: int, world_size: int, timeout: float, name: str) -> TCPStore:
+    """Connect to rank 0's store on loopback within ``timeout`` seconds, whatever listens there."""
+    deadline = time.monotonic() + timeout
+    where = f"127.0.0.1:{port} ({name}; the job runs on one node, so its ranks meet over loopback)"
+    _wait_for_listener(port, deadline, timeout, where)
+    # torch's client waits for the store's first reply without a limit (its timeout bounds only
+    # connecting): it runs in a daemon thread, abandoned (blocked in a socket read, holding no
+    # lock) if no reply comes, so that the process can still raise and exit.
+    remaining = max(deadline - time.monotonic(), 0.001)
+    outcome: list[TCPStore | BaseException] = []
+    done = threading.Event()
+
+    def connect() -> None:
+        try:
+            outcome.append(
+                TCPStore(
+                    "127.0.0.1", port, world_size, False, datetime.timedelta(seconds=remaining)
+                )
+            )
+        except BaseException as error:  # handed to the waiting thread below
+            outcome.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=connect, name="metadist-store-client", daemon=True).start()
+    grace = min(STORE_ANSWER_S, remaining)
+    advice = (
+        "Another job or program holds that port (rank 0 then fails saying it is taken): "
+        "choose a free MASTER_PORT for every rank, or launch with `torchrun --standalone`"
+    )
+    if not done.wait(grace):
+        raise ConnectionError(
+            f"the rendezvous at {where} accepted the connection but did not answer as rank 0's "
+            f"store within {grace:g} s. {advice}"
+        )
+    if isinstance(outcome[0], BaseException):
+        raise ConnectionError(
+            f"the rendezvous at {where} failed: {outcome[0]}. If rank 0 is not the one "
+            f"listening there: {advice}"
+        ) from outcome[0]
+    return outcome[0]
+
+
+def _wait_for_listener(port: int, deadline: float, timeout: float, where: str) -> None:
+    """Return once something listens on loopback ``port``; ``TimeoutError`` at ``deadline``."""
+    pause = 0.05
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"nothing listens for the rendezvous at {where} after {timeout:g} s: rank 0 has "
+                f"not started its store (check rank 0's log: it may have failed or not been "
+                f"launched), or it was given another MASTER_PORT than this rank"
+            )
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=min(left, 1.0)):
+                return
+        except OSError:  # refused: nothing listens yet
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+            pause = min(pause * 2, 0.5)
 
 
 def _elastic_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:

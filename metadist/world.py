@@ -15,15 +15,18 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from metadist.errors import is_timeout
+from metadist.errors import is_connection_lost, is_timeout, worker_gone
 
 __all__ = [
+    "FAILURE",
+    "JOB_DONE",
     "WorldInfo",
     "arrive_async",
     "arrived_members",
     "barrier",
     "check_timeout_range",
     "default_worker_name_format",
+    "fail_rendezvous",
     "get_local_rank",
     "get_local_world_size",
     "get_rank",
@@ -39,6 +42,7 @@ __all__ = [
     "not_on_rank",
     "on_rank",
     "rank_non_zero_only",
+    "rank_of",
     "rank_zero_only",
     "require_rpc",
     "use_process_threads",
@@ -159,6 +163,7 @@ def _adopted_runtime() -> _Runtime | None:
         runtime = _Runtime(info, timeout, tuple(worker.name for worker in workers))
         with _PENDING_LOCK:
             _PENDING.clear()  # rendezvous of a world that is gone
+            _FAILED.clear()
         _ADOPTED = (agent, runtime)
         return runtime
 
@@ -214,6 +219,7 @@ def leave_world() -> None:
     _RUNTIME = None
     with _PENDING_LOCK:
         _PENDING.clear()
+        _FAILED.clear()
 
 
 def world_token() -> object:
@@ -341,6 +347,14 @@ def get_worker_name(id: str | int | None = None) -> str:
     return _runtime("metadist.get_worker_name").names[rank]
 
 
+def rank_of(worker: str) -> int | None:
+    """The rank of the worker named ``worker`` in the running world; ``None`` if it has none."""
+    runtime = _current_runtime()
+    if runtime is None or worker not in runtime.names:
+        return None
+    return runtime.names.index(worker)
+
+
 def _known_workers(world_size: int) -> str:
     runtime = _current_runtime()
     if runtime is not None and runtime.names:
@@ -354,19 +368,43 @@ def _known_workers(world_size: int) -> str:
 
 _PENDING: dict[tuple[Any, ...], tuple[dict[Any, Any], Future[dict[Any, Any]]]] = {}
 _PENDING_LOCK = threading.Lock()
+# Rendezvous the coordinator gave up on (fail_rendezvous), with why: a member that arrives later
+# learns it at once instead of waiting out its timeout.
+_FAILED: dict[tuple[Any, ...], str] = {}
+#: The key under which a failed rendezvous' result holds the reason (no member is a tuple).
+FAILURE = ("<failed>",)
+#: The rendezvous at rank 0 where every worker announces that its job is done (metadist.launch).
+JOB_DONE = ("<done>",)
 
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]
 def _arrive(key: tuple[Any, ...], expected: int, member: Any, value: Any) -> Future[dict[Any, Any]]:
     with _PENDING_LOCK:
-        arrived, future = _PENDING.setdefault(key, ({}, Future()))
-        arrived[member] = value
-        complete = len(arrived) >= expected
-        if complete:
-            del _PENDING[key]
-    if complete:
+        failed = _FAILED.get(key)
+        if failed is None:
+            arrived, future = _PENDING.setdefault(key, ({}, Future()))
+            arrived[member] = value
+            complete = len(arrived) >= expected
+            if complete:
+                del _PENDING[key]
+    if failed is not None:
+        future = Future()
+        future.set_result({FAILURE: failed})
+    elif complete:
         future.set_result(dict(arrived))
     return future
+
+
+def fail_rendezvous(key: tuple[Any, ...], reason: str) -> bool:
+    """End the incomplete rendezvous ``key`` this worker coordinates: every member, waiting or
+    still to come, gets ``{FAILURE: reason}``. ``False`` if none is pending under ``key``."""
+    with _PENDING_LOCK:
+        entry = _PENDING.pop(key, None)
+        if entry is None:
+            return False
+        _FAILED[key] = reason
+    entry[1].set_result({FAILURE: reason})
+    return True
 
 
 def arrive_async(
@@ -396,12 +434,19 @@ def barrier(
     """Block until every listed worker has called ``barrier`` with the same list; unlike
     TorchOpt's, a failure (a worker that never arrives, a dead peer) raises.
 
+    The first listed worker coordinates the barrier. While it waits there, it checks the
+    workers that have not arrived every :data:`BARRIER_CHECK_S` seconds, and fails the barrier
+    for every member, within about two checks, naming a worker whose process is gone or that
+    finished its job (returned from, or raised out of, the function decorated with
+    :func:`metadist.auto_init_rpc`). Until the coordinator itself arrives, the others wait.
+
     Args:
         worker_names: Names or ranks to wait for, this worker among them; ``None``: all.
         timeout: Seconds; ``None``: the world's RPC timeout (60 s by default); ``0``: forever.
 
     Raises:
-        RuntimeError: RPC is not running, or a peer failed.
+        RuntimeError: RPC is not running, or a listed worker is gone or finished its job, so
+            that it will never arrive (the message names it).
         TimeoutError: Not every worker arrived within ``timeout`` seconds.
         TypeError: ``worker_names`` is a single name or rank, or ``timeout`` is not a number.
         ValueError: Unknown, no or missing own worker in the list, or a negative ``timeout``.
@@ -430,15 +475,89 @@ def barrier(
         generation = runtime.generations.get(group, 0)
         runtime.generations[group] = generation + 1
     key = (group, generation)
+    future = arrive_async(key, own, expected=len(group), timeout=timeout, coordinator=group[0])
     try:
-        _wait(arrive_async(key, own, expected=len(group), timeout=timeout, coordinator=group[0]))
+        if own == group[0]:
+            _watch_barrier(runtime, key, group, future)
+        arrived = _wait(future)
     except RuntimeError as error:
         if is_timeout(error):
             raise TimeoutError(
                 f"barrier over {list(group)} timed out after {timeout} s on worker {own!r}: "
                 f"some workers did not arrive"
             ) from error
+        if is_connection_lost(error):  # only the coordinator's connection is used here
+            gone = worker_gone(group[0], runtime.names.index(group[0]))
+            raise RuntimeError(
+                f"barrier over {list(group)} failed on {own!r}: {gone} (it coordinates the "
+                f"barrier). torch's RPC error: {error}"
+            ) from error
         raise RuntimeError(f"barrier over {list(group)} failed on {own!r}: {error}") from error
+    if FAILURE in arrived:
+        raise RuntimeError(f"barrier over {list(group)} failed on {own!r}: {arrived[FAILURE]}")
+
+
+#: How often a barrier's coordinator looks at the members that have not arrived yet (seconds),
+#: and how long a ping may take: a busy worker answers late, which is no failure.
+BARRIER_CHECK_S = 0.5
+_PING_S = 5.0
+
+
+def _watch_barrier(
+    runtime: _Runtime, key: tuple[Any, ...], group: tuple[str, ...], future: Future[Any]
+) -> None:
+    """Until ``future`` (the barrier, which this worker coordinates) completes, fail it for every
+    member as soon as a member that has not arrived never will: its connection is gone (a
+    ping fails at once), or it finished its job. torch reports neither to the barrier itself:
+    it waits out its timeout."""
+    arrivals: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    future.add_done_callback(arrivals.put)
+    pings: dict[str, Future[Any]] = {}
+    done_query: Future[frozenset[Any]] | None = None
+    while True:
+        try:
+            arrivals.get(timeout=BARRIER_CHECK_S)  # interruptible by Ctrl-C, as _wait
+            return
+        except queue.Empty:
+            pass
+        missing = [name for name in group if name not in arrived_members(key)]
+        reasons: dict[str, str] = {}
+        for name in missing:
+            ping = pings.get(name)
+            if ping is None:
+                pings[name] = rpc.rpc_async(name, os.getpid, timeout=_PING_S)
+            elif ping.done():
+                del pings[name]  # answered, or timed out (busy): ping again next time
+                try:
+                    ping.wait()
+                except Exception as error:
+                    if is_connection_lost(error):
+                        gone = worker_gone(name, runtime.names.index(name))
+                        reasons[name] = f"{gone}, so it never arrives ({error})"
+        # Who finished the job is known at rank 0, where every worker announces it (launch).
+        if done_query is None:
+            done_query = _finished_ranks()
+        elif done_query.done():
+            with contextlib.suppress(Exception):  # rank 0 gone: its own connection says so
+                finished = {runtime.names[rank] for rank in done_query.wait()}
+                for name in set(missing) & finished - set(reasons):
+                    reasons[name] = (
+                        f"worker {name!r} (rank {runtime.names.index(name)}) finished its job "
+                        f"(the function decorated with auto_init_rpc returned or raised) without "
+                        f"calling this barrier, so it never arrives"
+                    )
+            done_query = None
+        if reasons and fail_rendezvous(key, "; ".join(reasons[n] for n in group if n in reasons)):
+            return
+
+
+def _finished_ranks() -> Future[frozenset[Any]]:
+    """The ranks that finished their job, from the rendezvous that rank 0 holds."""
+    if get_world_rank() == 0:
+        done: Future[frozenset[Any]] = Future()
+        done.set_result(arrived_members(JOB_DONE))
+        return done
+    return rpc.rpc_async(0, arrived_members, args=(JOB_DONE,), timeout=_PING_S)
 
 
 def wait_all(futures: Iterable[Future[Any]]) -> None:
@@ -479,17 +598,32 @@ def use_process_threads() -> None:
 # Rank selectors: the rank is checked at call time, so they can decorate at import. A rank beyond
 # the world never matches, so a script written for N workers runs unchanged in a world of 1.
 def _selector(
-    api: str, ranks: tuple[int, ...], run_on_listed: bool
+    api: str, ranks: tuple[int, ...], run_on_listed: bool, *, fixed: bool = False
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+    if len(ranks) == 1 and callable(ranks[0]):
+        # `@on_rank` without brackets hands the decorated function over as the only rank.
+        name = getattr(ranks[0], "__qualname__", repr(ranks[0]))
+        raise TypeError(
+            f"{api}(...) takes the ranks, as in @{api}(0); it was applied to the function "
+            f"{name} directly"
+        )
     if not ranks:
-        raise ValueError(f"{api} needs at least one rank, got none")
+        raise ValueError(f"{api}() needs at least one rank, as in @{api}(0); got none")
     for rank in ranks:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"{api}: ranks must be non-negative ints, got {rank!r}")
+            raise ValueError(
+                f"{api}(...): ranks must be non-negative ints, as in @{api}(0); got {rank!r} "
+                f"of type {type(rank).__name__}"
+            )
 
     def decorator(func: Callable[P, R]) -> Callable[P, R | None]:
         if not callable(func):
-            raise TypeError(f"{api}: expected a function to decorate, got {func!r}")
+            # One statement: mypy takes func for callable, and lets only the raise be unreachable.
+            raise TypeError(
+                f"{api}: expected a function to decorate, got {func!r} of type "
+                f"{type(func).__name__}"
+                + (f" ({api} takes no ranks: write @{api}, without brackets)" if fixed else "")
+            )
 
         @functools.wraps(func)
         def wrapped(*args: P.args, **kwargs: P.kwargs) -> R | None:
@@ -507,7 +641,11 @@ def on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
         *ranks: The ranks that run the function.
 
     Returns:
-        A decorator; ``ValueError`` if no rank is given or one is not a non-negative int.
+        A decorator.
+
+    Raises:
+        ValueError: No rank is given, or one is not a non-negative int.
+        TypeError: The decorator was applied to a function directly, without the ranks.
     """
     return _selector("on_rank", ranks, run_on_listed=True)
 
@@ -519,7 +657,11 @@ def not_on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]
         *ranks: The ranks that skip the function.
 
     Returns:
-        A decorator; ``ValueError`` if no rank is given or one is not a non-negative int.
+        A decorator.
+
+    Raises:
+        ValueError: No rank is given, or one is not a non-negative int.
+        TypeError: The decorator was applied to a function directly, without the ranks.
     """
     return _selector("not_on_rank", ranks, run_on_listed=False)
 
@@ -533,7 +675,7 @@ def rank_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
     Returns:
         A wrapper returning ``func``'s result on rank 0 and ``None`` on other ranks.
     """
-    return _selector("rank_zero_only", (0,), run_on_listed=True)(func)
+    return _selector("rank_zero_only", (0,), run_on_listed=True, fixed=True)(func)
 
 
 def rank_non_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
@@ -545,4 +687,4 @@ def rank_non_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
     Returns:
         A wrapper returning ``func``'s result on ranks other than 0 and ``None`` on rank 0.
     """
-    return _selector("rank_non_zero_only", (0,), run_on_listed=False)(func)
+    return _selector("rank_non_zero_only", (0,), run_on_listed=False, fixed=True)(func)

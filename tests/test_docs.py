@@ -95,7 +95,7 @@ EXPECTED_BLOCKS = {
     "docs/quickstart.md": 3,
     "docs/remote_calls.md": 6,
     "docs/security.md": 1,
-    "docs/troubleshooting.md": 20,
+    "docs/troubleshooting.md": 22,
 }
 
 

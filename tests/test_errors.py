@@ -13,7 +13,14 @@ import threading
 import pytest
 
 from metadist import RemoteError
-from metadist.errors import RemoteFailure, is_timeout, qualified_name, resolve_qualified_name
+from metadist.errors import (
+    RemoteFailure,
+    is_connection_lost,
+    is_timeout,
+    qualified_name,
+    resolve_qualified_name,
+    worker_gone,
+)
 
 
 class CustomError(Exception):
@@ -46,6 +53,34 @@ def _failure(error: BaseException) -> RemoteFailure:
 )
 def test_is_timeout(error: BaseException, expected: bool) -> None:
     assert is_timeout(error) is expected
+
+
+_TP = " (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)"
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        # What TensorPipe said in tests/test_faults.py for a worker that died, during or before.
+        (RuntimeError("EOF: end of file" + _TP), True),
+        (RuntimeError("EPIPE: broken pipe" + _TP), True),
+        (RuntimeError("ECONNRESET: connection reset by peer" + _TP), True),
+        (RuntimeError("ECONNREFUSED: connection refused" + _TP), True),
+        (TimeoutError("EOF: end of file"), False),  # a timeout is not a lost connection
+        (RuntimeError("RPC ran for more than set timeout (5000 ms)"), False),
+        (ValueError("bad value"), False),
+        (RuntimeError("XEOF: end of file"), False),  # whole words only
+    ],
+)
+def test_is_connection_lost(error: BaseException, expected: bool) -> None:
+    assert is_connection_lost(error) is expected
+
+
+def test_worker_gone_names_the_worker() -> None:
+    assert worker_gone("worker1", 1) == (
+        "worker 'worker1' (rank 1) closed its connection: the process exited or crashed"
+    )
+    assert worker_gone("w") == "worker 'w' closed its connection: the process exited or crashed"
 
 
 def test_qualified_names_round_trip() -> None:

@@ -194,3 +194,100 @@ def test_a_timed_out_command_leaves_no_process_behind() -> None:
     stdout = str(raised.value).split("stdout:\n", 1)[1]
     grandchild = int(stdout.split()[0])
     assert _wait_gone([grandchild], 10) < 10, f"process {grandchild} outlived the timeout"
+
+
+# ---------------------------------------------------------------------------------------------
+# Dead and finished workers met by calls and barriers: `fault_job.py dead`, one world of 4 for
+# the tests below, each reading its step's line. torch says only "EOF: end of file" (or EPIPE)
+# for a worker that is gone, and a barrier waits out its timeout (30 s here) for a worker that
+# never arrives.
+
+
+@pytest.fixture(scope="module")
+def dead_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """``{step: outcome}`` of the ``dead`` job; the outcome keeps its ``(seconds)`` suffix."""
+    folder = tmp_path_factory.mktemp("dead")
+    port = free_loopback_port()
+    logs = [folder / f"rank{rank}.log" for rank in range(4)]
+    processes = []
+    for rank, log in enumerate(logs):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONUNBUFFERED": "1",
+        }
+        with log.open("w") as out:
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPT), "dead"],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    env=env,
+                )
+            )
+    try:
+        for process in processes:
+            process.wait(90)
+    finally:
+        for process in processes:
+            process.kill()
+    text = "\n".join(log.read_text() for log in logs)
+    steps = dict(re.findall(r"^STEP (.+?) -> (.*)$", text, re.M))
+    steps["<log>"] = text
+    return steps
+
+
+def _step(steps: dict[str, str], name: str) -> tuple[str, float]:
+    assert name in steps, f"step {name!r} did not run:\n{steps['<log>']}"
+    outcome, seconds = re.fullmatch(r"(.*) \((\d+\.\d+)s\)", steps[name]).groups()  # type: ignore[union-attr]
+    return outcome, float(seconds)
+
+
+_TORCH_SAYS = r"torch's RPC error: RuntimeError: (EOF: end of file|EPIPE|ECONNRESET|ECONNREFUSED)"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("step", "worker"),
+    [
+        ("first call to a dead worker", "'worker2' (rank 2)"),
+        ("call during which the worker dies", "'worker1' (rank 1)"),
+        ("call after the worker died", "'worker1' (rank 1)"),
+    ],
+)
+def test_a_call_to_a_dead_worker_says_it_is_gone(
+    dead_job: dict[str, str], step: str, worker: str
+) -> None:
+    outcome, seconds = _step(dead_job, step)
+    assert outcome.startswith("RemoteError: partition 0 of 1 failed: "), outcome
+    assert f"worker {worker} closed its connection: the process exited or crashed" in outcome
+    assert re.search(_TORCH_SAYS, outcome), outcome  # torch's own message is kept
+    assert seconds < 5, outcome
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("step", "why"),
+    [
+        # rank 0 coordinates: it finds worker2 gone
+        ("barrier with a dead worker", "worker 'worker2' (rank 2) closed its connection"),
+        # worker3 waits; the coordinator (rank 0, arriving later) tells it
+        ("member barrier with a dead worker", "worker 'worker2' (rank 2) closed its connection"),
+        # worker1 returned from its job before the barrier
+        ("barrier with a finished worker", "worker 'worker1' (rank 1) finished its job"),
+    ],
+)
+def test_a_barrier_fails_promptly_naming_a_worker_that_never_arrives(
+    dead_job: dict[str, str], step: str, why: str
+) -> None:
+    outcome, seconds = _step(dead_job, step)
+    assert outcome.startswith("RuntimeError: barrier over ['worker0', "), outcome
+    assert why in outcome, outcome
+    assert "never arrives" in outcome, outcome
+    # Its timeout is 30 s: the coordinator finds out within about 2 * BARRIER_CHECK_S (the
+    # member's wait also holds the time until rank 0 joins the barrier).
+    assert seconds < (20 if step.startswith("member") else 5), outcome

@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from _dist import REPO, run_command, skip_or_fail
@@ -391,3 +392,42 @@ def test_single_node_torchrun_listens_on_loopback_whatever_master_addr_is() -> N
     mine = result.stdout.split("SELF listens=")[1].splitlines()[0]
     assert peer == mine == "['127.0.0.1']", result.stdout
     assert "listens for RPC on interface" not in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_taken_master_port_fails_every_rank_naming_it() -> None:
+    # Another program listens on MASTER_PORT and never answers: rank 0 cannot bind it, and the
+    # other ranks' connections land in that program's queue, where torch's client alone would
+    # wait forever for the store's reply.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        base = _without_launchers(dict(os.environ))
+        base.update(PYTHONPATH=f"{REPO / 'tests'}{os.pathsep}{REPO}", PYTHONUNBUFFERED="1")
+        job = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        start = time.monotonic()
+        processes = [
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT)],
+                env={**base, **job, "RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        try:
+            outputs = [process.communicate(timeout=60) for process in processes]
+        finally:
+            for process in processes:
+                process.kill()
+        elapsed = time.monotonic() - start
+    (_, err0), (_, err1) = outputs
+    assert processes[0].returncode != 0, err0
+    assert f"OSError: [Errno 98] MASTER_PORT={port} is taken: another process" in err0, err0
+    assert processes[1].returncode != 0, err1
+    assert (
+        f"ConnectionError: the rendezvous at 127.0.0.1:{port} (MASTER_PORT={port}; the job "
+        f"runs on one node" in err1
+    ), err1
+    assert "did not answer as rank 0's store within 5 s" in err1, err1
+    assert elapsed < 40, elapsed  # startup, then STORE_ANSWER_S: not the 60 s RPC timeout

@@ -7,8 +7,12 @@ metadist's rendezvous schemes bind where they say. The multi-node choice with a 
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 from _dist import listening_addresses
@@ -118,3 +122,89 @@ def test_elastic_rendezvous_keeps_restarts_apart(monkeypatch: pytest.MonkeyPatch
     assert (rank, size) == (0, 1)
     store.set("address", "here")
     assert server.get("metadist/attempt_3/address") == b"here"
+
+
+# A port another program holds (here a socket that listens and never accepts: the kernel still
+# completes the handshake, so a client connects and then waits for a reply that never comes).
+
+
+@pytest.fixture
+def foreign_listener() -> Iterator[int]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        yield listener.getsockname()[1]
+
+
+def _loopback_url(port: int, timeout: float) -> str:
+    return f"{network.LOOPBACK_SCHEME}://127.0.0.1:{port}?timeout={timeout}&port_from=MASTER_PORT"
+
+
+def test_rank_0_on_a_taken_port_names_master_port(foreign_listener: int) -> None:
+    network.install_rendezvous_handlers()
+    port = foreign_listener
+    with pytest.raises(OSError, match=rf"MASTER_PORT={port} is taken: another process") as info:
+        next(rendezvous(_loopback_url(port, 10), rank=0, world_size=2))
+    assert info.value.errno == errno.EADDRINUSE
+    assert "Choose a free MASTER_PORT for every rank" in str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_other_ranks_give_up_on_a_listener_that_is_not_the_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch's client alone waits here forever, whatever its timeout.
+    network.install_rendezvous_handlers()
+    monkeypatch.setattr(network, "STORE_ANSWER_S", 1.0)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(ConnectionError) as info:
+            next(rendezvous(_loopback_url(port, 3), rank=1, world_size=2))
+        assert time.monotonic() - start < 2.5
+    message = str(info.value)
+    assert f"127.0.0.1:{port} (MASTER_PORT={port};" in message, message
+    assert "did not answer as rank 0's store within 1 s" in message, message
+    assert "choose a free MASTER_PORT for every rank" in message, message
+    # The client thread left behind ends at its own timeout (3 s) now that the port is free.
+    left = [t for t in threading.enumerate() if t.name == "metadist-store-client"]
+    for thread in left:
+        thread.join(15)
+    assert not any(thread.is_alive() for thread in left)
+
+
+@pytest.mark.timeout(30)
+def test_other_ranks_without_rank_0_time_out_naming_the_port() -> None:
+    network.install_rendezvous_handlers()
+    port = network.free_loopback_port()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        next(rendezvous(_loopback_url(port, 1), rank=1, world_size=2))
+    assert time.monotonic() - start < 2.5
+    message = str(info.value)
+    assert f"nothing listens for the rendezvous at 127.0.0.1:{port} (MASTER_PORT={port};" in message
+    assert "after 1 s: rank 0 has not started its store" in message, message
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_that_starts_before_rank_0_waits_for_its_store() -> None:
+    network.install_rendezvous_handlers()
+    port = network.free_loopback_port()
+    joined: list[object] = []
+
+    def join() -> None:
+        store, _, _ = next(rendezvous(_loopback_url(port, 20), rank=1, world_size=2))
+        joined.append(store.get("from rank 0"))
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # rank 1 waits for a listener meanwhile
+    store, _, _ = next(rendezvous(_loopback_url(port, 20), rank=0, world_size=2))
+    store.set("from rank 0", "hello")
+    thread.join(20)
+    assert joined == [b"hello"]
+
+
+def test_port_names_say_where_the_port_came_from() -> None:
+    assert network.port_name(29500) == "MASTER_PORT=29500"
+    assert network.port_name(15007, "SLURM_JOB_ID") == (
+        "port 15007 (derived from SLURM_JOB_ID; set MASTER_PORT to choose another)"
+    )

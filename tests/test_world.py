@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 
 import pytest
 import torch.distributed.rpc as rpc
-from _bad_input import Row, table_test
+from _bad_input import Row, double, table_test
 from _dist import REPO, non_loopback_listeners, run_command, run_torchrun, run_world
 
 import metadist
@@ -178,20 +179,63 @@ def test_rank_selectors_in_world_of_one(clean_env: pytest.MonkeyPatch) -> None:
     assert non_zero() == "nz"
 
 
+def _decorated() -> None:
+    pass
+
+
 @pytest.mark.parametrize(
-    ("factory", "ranks", "pattern"),
+    ("factory", "ranks", "error", "pattern"),
     [
-        (metadist.on_rank, (), r"on_rank needs at least one rank"),
-        (metadist.on_rank, (-1,), r"on_rank: ranks must be non-negative ints, got -1"),
-        (metadist.not_on_rank, ("0",), r"not_on_rank: ranks must be non-negative ints, got '0'"),
-        (metadist.on_rank, (True,), r"got True"),
+        (
+            metadist.on_rank,
+            (),
+            ValueError,
+            r"on_rank\(\) needs at least one rank, as in @on_rank\(0\)",
+        ),
+        (
+            metadist.on_rank,
+            (-1,),
+            ValueError,
+            r"on_rank\(\.\.\.\): ranks must be non-negative ints, .*got -1 of type int",
+        ),
+        (
+            metadist.not_on_rank,
+            ("0",),
+            ValueError,
+            r"not_on_rank\(\.\.\.\): ranks must be non-negative ints, .*got '0' of type str",
+        ),
+        (metadist.on_rank, (True,), ValueError, r"got True of type bool"),
+        # `@on_rank` without brackets: the function arrives as the only rank.
+        (
+            metadist.on_rank,
+            (_decorated,),
+            TypeError,
+            r"on_rank\(\.\.\.\) takes the ranks, as in @on_rank\(0\); it was applied to the "
+            r"function _decorated directly",
+        ),
+        (metadist.not_on_rank, (_decorated,), TypeError, r"@not_on_rank\(0\).*_decorated directly"),
+    ],
+    ids=[
+        "none",
+        "negative",
+        "str",
+        "bool",
+        "on_rank without brackets",
+        "not_on_rank without brackets",
     ],
 )
 def test_rank_selectors_reject_bad_ranks(
-    factory: object, ranks: tuple[object, ...], pattern: str
+    factory: object, ranks: tuple[object, ...], error: type[Exception], pattern: str
 ) -> None:
-    with pytest.raises(ValueError, match=pattern):
+    with pytest.raises(error, match=pattern):
         factory(*ranks)  # type: ignore[operator]
+
+
+def test_rank_zero_only_given_a_rank_says_it_takes_none() -> None:
+    with pytest.raises(
+        TypeError, match=r"got 0 of type int \(rank_zero_only takes no ranks: write"
+    ):
+        metadist.rank_zero_only(0)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,6 +320,11 @@ def _worker_state() -> tuple[bool, metadist.WorldInfo, str, set[tuple[str, int]]
 
 
 _ENTERED_BARRIER = 0.0
+_TIMED_OUT = threading.Event()  # set on rank 2 once ranks 0 and 1 saw their barrier time out
+
+
+def _timed_out() -> None:
+    _TIMED_OUT.set()
 
 
 def _entered_barrier() -> float:
@@ -322,9 +371,14 @@ def run_world_checks(rank: int, world_size: int) -> None:
     if rank in (0, 2):
         metadist.barrier([names[0], 2])
     # A barrier a worker never joins times out with a clear error instead of hanging or passing.
+    # That worker stays in its job meanwhile: one that finished fails the barrier at once.
     if rank in (0, 1):
         with pytest.raises(TimeoutError, match=r"barrier over .* timed out after 1\.0 s"):
             metadist.barrier(timeout=1.0)
+    if rank == 0:
+        rpc.rpc_sync(names[2], _timed_out)
+    if rank == 2:
+        assert _TIMED_OUT.wait(60)
     if rank == 1:
         with pytest.raises(
             ValueError, match=r"this worker \('trainer-1-of-3-local1'\) must be one of"
@@ -419,6 +473,18 @@ ROWS = [
     ),
     Row("on_rank none", lambda fx: metadist.on_rank(), ValueError, r"on_rank.*rank"),
     Row("on_rank negative", lambda fx: metadist.on_rank(-1), ValueError, r"ranks.*-1"),
+    Row(
+        "on_rank without brackets",
+        lambda fx: metadist.on_rank(double),  # type: ignore[arg-type]
+        TypeError,
+        r"on_rank\(\.\.\.\) takes the ranks, as in @on_rank\(0\).*function double directly",
+    ),
+    Row(
+        "not_on_rank float",
+        lambda fx: metadist.not_on_rank(1.0),  # type: ignore[arg-type]
+        ValueError,
+        r"not_on_rank\(\.\.\.\): ranks must be non-negative ints.*got 1\.0 of type float",
+    ),
 ]
 
 
