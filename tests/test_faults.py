@@ -84,7 +84,7 @@ def test_signal_to_torchrun_stops_every_worker(sig: signal.Signals, tmp_path: Pa
                 os.killpg(torchrun.pid, signal.SIGKILL)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_ctrl_c_interrupts_a_remote_call_in_a_world_of_one(tmp_path: Path) -> None:
     # torch's Future.wait blocks in C++, where Python never sees SIGINT; metadist's waits do not.
     log = tmp_path / "out.log"
@@ -101,12 +101,17 @@ def test_ctrl_c_interrupts_a_remote_call_in_a_world_of_one(tmp_path: Path) -> No
             time.sleep(1.0)  # now blocked in the remote call
             job.send_signal(signal.SIGINT)
             start = time.monotonic()
-            job.wait(15)
+            try:
+                # The bound is for a hang, not a speed (like the torchrun test above).
+                job.wait(45)
+            except subprocess.TimeoutExpired:
+                job.send_signal(signal.SIGUSR1)  # fault_job.py then writes every thread's stack
+                time.sleep(2.0)
             elapsed = time.monotonic() - start
         finally:
             job.kill()
     text = log.read_text()
-    assert elapsed <= 10, f"still running {elapsed:.1f}s after Ctrl-C:\n{text}"
+    assert elapsed <= 40, f"still running {elapsed:.1f}s after Ctrl-C:\n{text}"
     assert "KeyboardInterrupt" in text, text
     # In a world of 1 the partition runs in-process: Ctrl-C lands in the function itself.
     assert "in sleep_forever" in text, text

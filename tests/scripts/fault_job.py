@@ -11,6 +11,7 @@ worker2). ``dead`` prints one ``STEP name -> outcome (seconds)`` line per step.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -118,6 +119,7 @@ def main(mode: str) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that sees a hang asks
     # The signal tests (hang) keep the default shutdown_timeout, as users do: Ctrl-C must not
     # wait for it. The others shorten it to keep the tests quick.
     chosen = sys.argv[1]
