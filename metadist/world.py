@@ -520,7 +520,8 @@ def _watch_barrier(
             return
         except queue.Empty:
             pass
-        missing = [name for name in group if name not in arrived_members(key)]
+        arrived = arrived_members(key)
+        missing = [name for name in group if name not in arrived]
         reasons: dict[str, str] = {}
         for name in missing:
             ping = pings.get(name)

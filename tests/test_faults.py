@@ -117,16 +117,19 @@ def test_ctrl_c_interrupts_a_remote_call_in_a_world_of_one(tmp_path: Path) -> No
     assert "in sleep_forever" in text, text
 
 
-@pytest.mark.timeout(120)
-def test_killed_worker_fails_the_call_naming_it_and_the_job_exits(tmp_path: Path) -> None:
+def _run_ranks(
+    mode: str, world_size: int, folder: Path, limit: float
+) -> tuple[list[int], list[Path], list[subprocess.Popen[bytes]]]:
+    """``fault_job.py mode`` as ``world_size`` ranks launched by hand (no supervisor to kill
+    survivors), each logging to ``folder``: their exit codes, logs and processes."""
     port = free_loopback_port()
-    logs = [tmp_path / f"rank{rank}.log" for rank in range(3)]
+    logs = [folder / f"rank{rank}.log" for rank in range(world_size)]
     processes = []
     for rank, log in enumerate(logs):
         env = {
             **os.environ,
             "RANK": str(rank),
-            "WORLD_SIZE": "3",
+            "WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "PYTHONUNBUFFERED": "1",
@@ -134,7 +137,7 @@ def test_killed_worker_fails_the_call_naming_it_and_the_job_exits(tmp_path: Path
         with log.open("w") as out:
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, str(SCRIPT), "kill"],
+                    [sys.executable, str(SCRIPT), mode],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     cwd=REPO,
@@ -142,10 +145,16 @@ def test_killed_worker_fails_the_call_naming_it_and_the_job_exits(tmp_path: Path
                 )
             )
     try:
-        codes = [process.wait(60) for process in processes]
+        codes = [process.wait(limit) for process in processes]
     finally:
         for process in processes:
             process.kill()
+    return codes, logs, processes
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_fails_the_call_naming_it_and_the_job_exits(tmp_path: Path) -> None:
+    codes, logs, processes = _run_ranks("kill", 3, tmp_path, 60)
     out0 = logs[0].read_text()
     caught = [line for line in out0.splitlines() if line.startswith("CAUGHT")]
     assert caught, out0
@@ -211,35 +220,7 @@ def test_a_timed_out_command_leaves_no_process_behind() -> None:
 @pytest.fixture(scope="module")
 def dead_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """``{step: outcome}`` of the ``dead`` job; the outcome keeps its ``(seconds)`` suffix."""
-    folder = tmp_path_factory.mktemp("dead")
-    port = free_loopback_port()
-    logs = [folder / f"rank{rank}.log" for rank in range(4)]
-    processes = []
-    for rank, log in enumerate(logs):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": "4",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PYTHONUNBUFFERED": "1",
-        }
-        with log.open("w") as out:
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(SCRIPT), "dead"],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    env=env,
-                )
-            )
-    try:
-        for process in processes:
-            process.wait(90)
-    finally:
-        for process in processes:
-            process.kill()
+    _, logs, _ = _run_ranks("dead", 4, tmp_path_factory.mktemp("dead"), 90)
     text = "\n".join(log.read_text() for log in logs)
     steps = dict(re.findall(r"^STEP (.+?) -> (.*)$", text, re.M))
     steps["<log>"] = text
