@@ -23,6 +23,7 @@ from metadist.partition import DimPartitioner, Partitions, batch_partitioner, di
 from metadist.reduce import PartitionResults, cat_reducer, mean_reducer, stack_reducer, sum_reducer
 from metadist.transport import clear_module_cache, invalidate_module_cache
 from metadist.world import (
+    DEFAULT_TIMEOUT,
     WorldInfo,
     barrier,
     get_local_rank,
@@ -43,6 +44,7 @@ from metadist.world import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "DimPartitioner",
     "PartitionResults",
     "Partitions",

@@ -43,11 +43,13 @@ from metadist.errors import (
 from metadist.partition import batch_partitioner
 from metadist.reduce import PartitionResults, check_sizes
 from metadist.world import (
-    check_timeout_range,
+    DEFAULT_TIMEOUT,
+    check_timeout,
     get_worker_id,
     get_worker_name,
     get_worker_names,
     require_rpc,
+    resolve_timeout,
 )
 
 __all__ = [
@@ -64,18 +66,6 @@ __all__ = [
 P = ParamSpec("P")
 T = TypeVar("T")
 
-
-class _DefaultTimeout(float):
-    """torch's "unset" timeout (-1.0), shown by name in signatures and error messages."""
-
-    def __repr__(self) -> str:
-        return "DEFAULT_TIMEOUT"
-
-
-#: ``timeout`` default: the running world's RPC timeout (``rpc_backend_options.rpc_timeout``,
-#: 60 s unless configured), per partition. Equal to torch's ``UNSET_RPC_TIMEOUT`` (-1.0), so
-#: code written for torchopt that passes that constant keeps working.
-DEFAULT_TIMEOUT: float = _DefaultTimeout(-1.0)
 
 #: A worker rank, a worker name, or ``partitioner(*args, **kwargs) -> [(worker, args, kwargs)]``.
 Partitioner = int | str | Callable[..., Sequence[tuple[int | str, Sequence[Any], dict[str, Any]]]]
@@ -153,17 +143,6 @@ def _sendable(func: Any) -> Any:
 
 # ----------------------------------------------------------------------------------------------
 # Caller side
-
-
-def _resolve_timeout(timeout: float | None) -> float:
-    if timeout is None:
-        return 0.0  # torch's "no timeout"
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
-    if timeout == DEFAULT_TIMEOUT:
-        return rpc.constants.UNSET_RPC_TIMEOUT
-    check_timeout_range(timeout, "None: no timeout; DEFAULT_TIMEOUT: the world's")
-    return float(timeout)
 
 
 def _check_reducer(reducer: Any) -> None:
@@ -246,8 +225,6 @@ def _rpc_error(
 ) -> BaseException:
     text = str(error)
     if is_timeout(error):
-        if timeout == rpc.constants.UNSET_RPC_TIMEOUT:
-            timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
         late = TimeoutError(
             f"partition {index} of {count} on worker {worker!r} did not finish within the "
             f"timeout of {timeout} s: {text}"
@@ -371,11 +348,10 @@ class _Schedule:
 
     def _wait(self) -> None:
         """Block until a partition in flight finishes; never forever unless asked to."""
-        timeout = self.call.timeout
-        if timeout == 0:  # timeout=None: the user asked to wait as long as it takes
+        limit = self.call.timeout
+        if limit == 0:  # timeout=None: the user asked to wait as long as it takes
             self.wakeups.get()
             return
-        limit = rpc.get_rpc_timeout() if timeout < 0 else timeout  # type: ignore[attr-defined]
         try:
             # torch reports a timed-out partition itself; the margin covers its timer.
             self.wakeups.get(timeout=limit + 5.0)
@@ -642,7 +618,8 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     A synchronous call returns once every partition has finished; an asynchronous one as soon
     as the remote partitions are sent and its own ones have run.
     """
-    require_rpc("metadist.remote_sync_call" if sync else "metadist.remote_async_call")
+    api = "metadist.remote_sync_call" if sync else "metadist.remote_async_call"
+    require_rpc(api)
     sendable = _sendable(func)
     if args is None:
         args = ()
@@ -653,7 +630,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     elif not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
     _check_reducer(reducer)
-    rpc_timeout = _resolve_timeout(timeout)
+    rpc_timeout = resolve_timeout(timeout, api)
     dtype = transport.resolve_compression(compression)
     parts, sizes, raw = _partitions(partitioner, tuple(args), kwargs, get_worker_names())
     schedule = getattr(raw, "schedule", "static")
@@ -869,7 +846,7 @@ def _parallelizer(
     # Check everything at decoration time, so that a bad decorator fails at import.
     _check_partitioner(partitioner)
     _check_reducer(reducer)
-    _resolve_timeout(timeout)
+    check_timeout(timeout, "metadist.parallelize")
     transport.resolve_compression(compression)
     options = (partitioner, reducer, timeout, compression, progress)
 

@@ -24,7 +24,8 @@ __all__ = [
     "arrive_async",
     "arrived_members",
     "barrier",
-    "check_timeout_range",
+    "DEFAULT_TIMEOUT",
+    "check_timeout",
     "default_worker_name_format",
     "fail_rendezvous",
     "get_local_rank",
@@ -45,6 +46,7 @@ __all__ = [
     "rank_of",
     "rank_zero_only",
     "require_rpc",
+    "resolve_timeout",
     "use_process_threads",
     "wait_all",
     "world_token",
@@ -184,18 +186,49 @@ def in_rpc_world() -> bool:
     return _current_runtime() is not None
 
 
+class _DefaultTimeout(float):
+    """torch's "unset" timeout (-1.0), shown by name in signatures and error messages."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT_TIMEOUT"
+
+
+#: The ``timeout`` default of every metadist wait (remote calls and their backward, ``barrier``,
+#: the distributed optimizer): the running world's RPC timeout (``rpc_backend_options.
+#: rpc_timeout``, 60 s unless configured). Equal to torch's ``UNSET_RPC_TIMEOUT`` (-1.0), so
+#: code written for torchopt that passes that constant keeps working. ``None`` waits forever.
+DEFAULT_TIMEOUT: float = _DefaultTimeout(-1.0)
+
 #: The longest wait torch's RPC can hold (whole milliseconds in a signed 32-bit number), and
 #: the shortest (less is no milliseconds, which torch reads as no limit), in seconds.
 MAX_TIMEOUT_S, MIN_TIMEOUT_S = (2**31 - 1) / 1000, 0.001
 
 
-def check_timeout_range(timeout: float, zero: str) -> None:
-    """``ValueError`` unless ``timeout`` seconds is a wait torch's RPC holds as given."""
-    if not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:  # NaN fails too
-        raise ValueError(
-            f"timeout must be between {MIN_TIMEOUT_S} and {MAX_TIMEOUT_S} seconds ({zero}), "
-            f"got {timeout}"
+def check_timeout(timeout: float | None, api: str) -> None:
+    """Refuse a ``timeout`` that is not ``None``, :data:`DEFAULT_TIMEOUT` or a number of seconds
+    torch's RPC holds as given (``TypeError`` / ``ValueError`` naming ``api``)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"{api}: timeout must be a number of seconds, DEFAULT_TIMEOUT or None, got {timeout!r}"
         )
+    if timeout != DEFAULT_TIMEOUT and not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:  # NaN too
+        raise ValueError(
+            f"{api}: timeout must be between {MIN_TIMEOUT_S} and {MAX_TIMEOUT_S} seconds "
+            f"(DEFAULT_TIMEOUT: the world's RPC timeout; None: no limit), got {timeout}"
+        )
+
+
+def resolve_timeout(timeout: float | None, api: str) -> float:
+    """``timeout`` checked (:func:`check_timeout`) and in seconds, as torch's RPC takes it: the
+    world's own for :data:`DEFAULT_TIMEOUT`, ``0.0`` (no limit) for ``None``."""
+    check_timeout(timeout, api)
+    if timeout is None:
+        return 0.0
+    if timeout == DEFAULT_TIMEOUT:
+        return _runtime(api).default_timeout
+    return float(timeout)
 
 
 def join_world(info: WorldInfo, own_name: str, timeout: float) -> None:
@@ -429,7 +462,7 @@ def arrived_members(key: tuple[Any, ...]) -> frozenset[Any]:
 
 
 def barrier(
-    worker_names: Iterable[str | int] | None = None, *, timeout: float | None = None
+    worker_names: Iterable[str | int] | None = None, *, timeout: float | None = DEFAULT_TIMEOUT
 ) -> None:
     """Block until every listed worker has called ``barrier`` with the same list; unlike
     TorchOpt's, a failure (a worker that never arrives, a dead peer) raises.
@@ -442,16 +475,17 @@ def barrier(
 
     Args:
         worker_names: Names or ranks to wait for, this worker among them; ``None``: all.
-        timeout: Seconds; ``None``: the world's RPC timeout (60 s by default); ``0``: forever.
+        timeout: Seconds; :data:`DEFAULT_TIMEOUT`: the world's RPC timeout; ``None``: no limit.
 
     Raises:
         RuntimeError: RPC is not running, or a listed worker is gone or finished its job, so
             that it will never arrive (the message names it).
         TimeoutError: Not every worker arrived within ``timeout`` seconds.
         TypeError: ``worker_names`` is a single name or rank, or ``timeout`` is not a number.
-        ValueError: Unknown, no or missing own worker in the list, or a negative ``timeout``.
+        ValueError: Unknown, no or missing own worker in the list, or a ``timeout`` out of range.
     """
     runtime = _runtime("metadist.barrier")
+    seconds = resolve_timeout(timeout, "metadist.barrier")
     group = runtime.names
     if worker_names is not None:
         if isinstance(worker_names, (str, int)):
@@ -465,17 +499,11 @@ def barrier(
     own = runtime.names[runtime.info.world_rank]
     if own not in group:
         raise ValueError(f"this worker ({own!r}) must be one of worker_names={list(group)}")
-    if timeout is None:
-        timeout = runtime.default_timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
-    if timeout != 0:
-        check_timeout_range(timeout, "0 waits forever")
     with runtime.lock:
         generation = runtime.generations.get(group, 0)
         runtime.generations[group] = generation + 1
     key = (group, generation)
-    future = arrive_async(key, own, expected=len(group), timeout=timeout, coordinator=group[0])
+    future = arrive_async(key, own, expected=len(group), timeout=seconds, coordinator=group[0])
     try:
         if own == group[0]:
             _watch_barrier(runtime, key, group, future)
@@ -483,7 +511,7 @@ def barrier(
     except RuntimeError as error:
         if is_timeout(error):
             raise TimeoutError(
-                f"barrier over {list(group)} timed out after {timeout} s on worker {own!r}: "
+                f"barrier over {list(group)} timed out after {seconds} s on worker {own!r}: "
                 f"some workers did not arrive"
             ) from error
         if is_connection_lost(error):  # only the coordinator's connection is used here
