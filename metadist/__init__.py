@@ -2,9 +2,9 @@
 
 A layer over ``torch.distributed.rpc`` and distributed autograd named after
 ``torchopt.distributed``. Data flows :mod:`~metadist.launch` → :mod:`~metadist.world` →
-:mod:`~metadist.partition` → :mod:`~metadist.api` (:mod:`~metadist.transport`) →
-:mod:`~metadist.reduce` → :mod:`~metadist.autograd` (:mod:`~metadist.ahead`) →
-:mod:`~metadist.optim`.
+:mod:`~metadist.partition` → :mod:`~metadist.api` (:mod:`~metadist.transport`,
+:mod:`~metadist.messages`, :mod:`~metadist.worker`) → :mod:`~metadist.reduce` →
+:mod:`~metadist.link` → :mod:`~metadist.autograd` → :mod:`~metadist.optim`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import pickle
 import queue
 import sys
 import threading
-import time
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -28,7 +27,7 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import PyRRef  # type: ignore[attr-defined]
 from torch.futures import Future
 
-from metadist import autograd, structure, timeline, transport, world
+from metadist import link, structure, timeline, transport, world
 from metadist import worker as remote_worker
 from metadist._pytree import tree_flatten
 from metadist.errors import (
@@ -40,6 +39,7 @@ from metadist.errors import (
     resolve_qualified_name,
     worker_gone,
 )
+from metadist.messages import CallerState, Reply, Request
 from metadist.partition import batch_partitioner
 from metadist.reduce import PartitionResults, check_sizes
 from metadist.world import (
@@ -165,9 +165,9 @@ def _check_partitioner(partitioner: Any) -> None:
 
 def _partitions(
     partitioner: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]
-) -> tuple[list[tuple[str, tuple[Any, ...], dict[str, Any]]], tuple[int, ...] | None, Any]:
-    """The partitions as ``(worker name, args, kwargs)``, their sizes, and the partitioner's
-    :class:`~metadist.partition.Partitions` (its ``schedule`` and ``observe``), or ``None``."""
+) -> tuple[list[tuple[str, tuple[Any, ...], dict[str, Any]]], tuple[int, ...] | None, str]:
+    """The partitions as ``(worker name, args, kwargs)``, their sizes, and their schedule
+    (:attr:`~metadist.partition.Partitions.schedule`)."""
     _check_partitioner(partitioner)
     if partitioner is None:
         partitioner = batch_partitioner
@@ -176,7 +176,7 @@ def _partitions(
             worker_id = get_worker_id(partitioner)
         except (TypeError, ValueError) as error:
             raise type(error)(f"partitioner={partitioner!r}: {error}") from None
-        return [(names[worker_id], args, kwargs)], None, None
+        return [(names[worker_id], args, kwargs)], None, "static"
     raw = partitioner(*args, **kwargs)
     name = getattr(partitioner, "__qualname__", repr(partitioner))
     if not isinstance(raw, (list, tuple)):
@@ -217,7 +217,7 @@ def _partitions(
             f"partitioner {name} returned {len(parts)} partitions: Partitions.sizes",
             "partition",
         )
-    return parts, sizes, raw
+    return parts, sizes, getattr(raw, "schedule", "static")
 
 
 def _rpc_error(
@@ -277,7 +277,7 @@ class _Telemetry:
         if result is not None:
             record.bytes_in = transport.wire_bytes(result)
 
-    def replied(self, index: int, reply: remote_worker.Reply) -> None:
+    def replied(self, index: int, reply: Reply) -> None:
         record = self.records[index]
         record.start, record.end = reply.start, reply.end
         record.bytes_in = transport.wire_bytes(reply.value)
@@ -320,8 +320,7 @@ class _Schedule:
                 if index is None:
                     return
                 self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
-                last = not self.queues.get("" if self.dynamic else worker)
-                self.call.send(index, worker, last)
+                self.call.send(index, worker)
 
     def drive(self, parts: list[str]) -> None:
         """Send and run every partition; return when none is left to start or in flight."""
@@ -371,7 +370,7 @@ class _Call:
 
     Partitions whose worker is the caller itself run in-process, on the calling thread
     (``local`` holds their outcomes); the others are RPC futures, their gradients linked by
-    :class:`metadist.autograd.Link`.
+    :class:`metadist.link.Link`.
     """
 
     def __init__(  # noqa: PLR0917 - internal
@@ -397,13 +396,12 @@ class _Call:
         self.workers = [name for name, _, _ in parts]  # where each ran (dynamic: decided late)
         self.futures: list[Future[Any] | None] = [None] * count
         self.local: dict[int, tuple[bool, Any]] = {}
-        self.requests: dict[int, remote_worker.Request] = {}
+        self.requests: dict[int, Request] = {}
         self.new_structures: list[tuple[str, ...]] = [()] * count
-        self.state = remote_worker.CallerState.here()
+        self.state = CallerState.here()
         self.in_context = remote_worker.current_context_id() is not None
         self.world_token: object = None
-        self.link: autograd.Link | None = None
-        self.site: Any = None  # for answers ahead (metadist.ahead), when the call has remote ones
+        self.link: link.Link | None = None
         self.bar: Any = None
         # Run as each sent partition finishes, with its index and future.
         self.callbacks: list[Callable[[int, Future[Any]], None]] = []
@@ -412,21 +410,15 @@ class _Call:
         self.telemetry = _Telemetry(log, func_name) if log is not None else None
         if self.telemetry is not None:
             self.callbacks.append(self.telemetry.done)
-        # A balanced partitioner's feedback: when each partition's result was there.
-        self.observe: Callable[[list[float]], None] | None = None
-        self.began = time.perf_counter()
-        self.finished: list[float | None] = [None] * count
 
-    def send(self, index: int, worker: str, last: bool = True) -> None:
-        """Send partition ``index`` to ``worker`` (encoded already); ``last``: the worker gets
-        no other partition of this call after it, so it may run its backward ahead."""
+    def send(self, index: int, worker: str) -> None:
+        """Send partition ``index`` to ``worker`` (encoded already)."""
         self.workers[index] = worker
-        request = self.requests.pop(index)._replace(
-            release=autograd.released(self.world_token, worker),
-            expect=self.link.expect(index) if last and self.link is not None else None,
-        )
+        request = self.requests.pop(index)
+        request = request._replace(release=link.released(self.world_token, worker))
         if self.telemetry is not None:
-            self.telemetry.sent(index, worker, transport.wire_bytes(request[1:3]))
+            bytes_out = transport.wire_bytes([request.args, request.kwargs])
+            self.telemetry.sent(index, worker, bytes_out)
         try:
             future = rpc.rpc_async(
                 worker, remote_worker.run_partition, args=(request,), timeout=self.timeout
@@ -435,17 +427,12 @@ class _Call:
             future = Future()
             future.set_exception(error)
         self.futures[index] = future
-        if self.observe is not None:
-            future.add_done_callback(functools.partial(self._finished, index))
         for done in self.callbacks:
             future.add_done_callback(functools.partial(done, index))
 
-    def _finished(self, index: int, _: Future[Any]) -> None:
-        self.finished[index] = time.perf_counter()
-
     def run_here(self, index: int) -> None:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
-        if self.link is not None and self.state.grad == remote_worker.GRAD:
+        if self.link is not None and self.state.grad_mode == "grad":
             # After the first sends (the workers need not wait for it), before the caller's
             # own partitions: see metadist.autograd.
             self.link.start()
@@ -455,13 +442,8 @@ class _Call:
             self.telemetry.sent(index, self.own, 0)
         result = None
         try:
-            began = time.perf_counter()
             result = getattr(self.func, _ORIGINAL, self.func)(*args, **kwargs)
-            took = time.perf_counter() - began
             remote_worker.check_result(result)
-            if self.site is not None and self.link is not None:
-                sources = transport.grad_sources(args, kwargs)
-                result = autograd.run_ahead(self.site, index, result, sources, took)
         except Exception as error:
             failure = RemoteFailure.capture(error, self.own, "call")
             raised = failure.to_exception(index, len(self.parts), self.func_name)
@@ -469,7 +451,6 @@ class _Call:
             self.local[index] = (False, raised)
         else:
             self.local[index] = (True, result)
-        self.finished[index] = time.perf_counter()
         if self.bar is not None:
             self.bar.update()
         if self.telemetry is not None:
@@ -497,7 +478,7 @@ class _Call:
         if self.link is not None:
             record = None if self.telemetry is None else self.telemetry.records[index]
             return True, self.link.receive(index, worker, reply, record)
-        return True, autograd.result_of(reply)
+        return True, link.result_of(reply)
 
     def collect(self) -> Any:
         """Wait for *every* partition (none is left pending), then reduce or raise."""
@@ -505,11 +486,11 @@ class _Call:
         if self.bar is not None:
             self.bar.close()
         outcomes = [self._outcome(i) for i in range(len(self.workers))]
-        link, self.link = self.link, None  # the call's graph is the result's, not the call's
+        gradients, self.link = self.link, None  # the call's graph is the result's, not the call's
         errors = [value for ok, value in outcomes if not ok]
         if errors:
-            if link is not None:
-                link.abandon(self.lost)
+            if gradients is not None:
+                gradients.abandon(self.lost)
             first = errors[0]
             if len(errors) > 1:
                 others = ", ".join(
@@ -520,12 +501,12 @@ class _Call:
             del outcomes  # the raised error's traceback must not hold the results
             raise first
         values = [value for _, value in outcomes]
-        if self.observe is not None:
-            # A callback may not have run yet when its future's wait returns: that one is now.
-            now = time.perf_counter()
-            self.observe([(now if t is None else t) - self.began for t in self.finished])
-        if link is not None:
-            values = link.finish(values)
+        if gradients is not None:
+            try:
+                values = gradients.finish(values)
+            except BaseException:
+                gradients.abandon(())
+                raise
         if self.reducer is None:
             return values
         with contextlib.ExitStack() as stack:
@@ -539,13 +520,8 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
     call.world_token = world.world_token()
     # Only a call that hands RRefs to a partition inside a context needs torch's engine.
     attached = call.in_context and any(_holds_rref(call.parts[i][1:]) for i in remote)
-    # Answers ahead need the gradients of first-order passes, bit for bit: not with
-    # compression or autocast, whose casts the expectation would have to follow.
-    plain = call.compression is None and not call.state.autocast
-    if call.state.grad == remote_worker.GRAD and plain:
-        call.site = (call.func_name, call.sizes, len(call.parts))
-    link = autograd.Link(
-        call.world_token, call.compression, get_worker_id(call.own) << 40, call.site
+    gradients = link.Link(
+        call.world_token, call.compression, get_worker_id(call.own) << 40, call.timeout
     )
     memo = transport.CallMemo()
     for i in remote:
@@ -559,14 +535,21 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
             memo=memo,
             attached=attached,
         )
-        key = -1 if attached else link.add(i, sources)
-        timed = call.telemetry is not None
-        call.requests[i] = remote_worker.Request(
-            call.func, e_args, e_kwargs, decode, call.compression, call.state, key,
-            call.in_context, timed, (),
-        )  # fmt: skip
-    if link.sources:
-        call.link = link
+        call.requests[i] = Request(
+            func=call.func,
+            args=e_args,
+            kwargs=e_kwargs,
+            decode=decode,
+            compression=call.compression,
+            state=call.state,
+            graph=None if attached else gradients.add(i, sources),
+            attached=attached,
+            in_context=call.in_context,
+            timed=call.telemetry is not None,
+            release=(),
+        )
+    if gradients.sources:
+        call.link = gradients
 
 
 def _future(call: _Call) -> Future[Any]:
@@ -632,12 +615,10 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     _check_reducer(reducer)
     rpc_timeout = resolve_timeout(timeout, api)
     dtype = transport.resolve_compression(compression)
-    parts, sizes, raw = _partitions(partitioner, tuple(args), kwargs, get_worker_names())
-    schedule = getattr(raw, "schedule", "static")
+    parts, sizes, schedule = _partitions(partitioner, tuple(args), kwargs, get_worker_names())
     own = get_worker_name()
     name = getattr(func, "__qualname__", None) or type(func).__name__
     call = _Call(sendable, name, parts, own, reducer, sizes, dtype, rpc_timeout)
-    call.observe = getattr(raw, "observe", None)
     if progress:
         bar = call.bar = _progress_bar(name, len(parts))
         call.callbacks.append(lambda _, __: bar.update())
@@ -653,7 +634,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
         for i in range(len(parts)):
             call.run_here(i)
         return call
-    attached = any(r.key < 0 for r in call.requests.values())
+    attached = any(r.attached for r in call.requests.values())
     if sync and not attached:
         # A dynamic schedule hands slots out from the RPC thread the moment a partition
         # finishes, so a second one in flight hides no latency: it only commits a task to a
@@ -664,9 +645,8 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
         plan.drive([n for n, _, _ in parts])
         call.callbacks.pop()  # no reference cycle: the call's graph must not wait for the GC
         return call
-    last = {parts[i][0]: i for i in remote}
     for i in remote:
-        call.send(i, parts[i][0], last[parts[i][0]] == i)
+        call.send(i, parts[i][0])
     # The caller's own partitions run here, on this thread, while the remote ones compute:
     # no RPC to itself, no encoding, and their graph is part of the caller's own.
     for i, (name, _, _) in enumerate(parts):

@@ -4,10 +4,7 @@ per partition; here a :class:`Partitions`, with each partition's batch size for 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,10 +37,7 @@ class Partitions(list[Partition]):
     Attributes:
         sizes: Batch items per partition, or ``None``; :func:`metadist.mean_reducer` weights by it.
         schedule: ``"static"``: each partition runs on its worker; ``"dynamic"``: a synchronous
-            call hands each to whichever listed worker frees up first; ``"balanced"``: static,
-            with chunk sizes the partitioner chose from earlier calls' timings.
-        observe: Called once the call has every result, with each partition's seconds from the
-            call's start to its result, in partition order (``None``: nobody asks).
+            call hands each to whichever listed worker frees up first.
     """
 
     def __init__(
@@ -51,140 +45,16 @@ class Partitions(list[Partition]):
         items: Sequence[Partition] = (),
         sizes: Sequence[int] | None = None,
         schedule: str = "static",
-        observe: Callable[[list[float]], None] | None = None,
     ) -> None:
         super().__init__(items)
         self.sizes: tuple[int, ...] | None = None if sizes is None else tuple(sizes)
         self.schedule = _check_schedule(schedule, "Partitions")
-        self.observe = observe
-
-
-SCHEDULES = ("static", "dynamic", "balanced")
 
 
 def _check_schedule(schedule: Any, owner: str) -> str:
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"{owner}: schedule must be 'static', 'dynamic' or 'balanced', got {schedule!r}"
-        )
+    if schedule not in ("static", "dynamic"):
+        raise ValueError(f"{owner}: schedule must be 'static' or 'dynamic', got {schedule!r}")
     return str(schedule)
-
-
-#: How far one call's timing moves a worker's speed estimate: enough to follow a change within
-#: a few calls, little enough that one descheduled call does not swing the split.
-SMOOTHING = 0.3
-
-#: Calls a worker sits out once it was found to cost more than it saves; then it gets its share
-#: again, and keeps it if it now pays. Each trial that confirms the last doubles the wait before
-#: the next, up to ``16 * REST`` calls, so that a settled split is rarely disturbed.
-REST = 50
-
-#: Calls each side of a trial (the workers as they are, then one worker fewer) that the median
-#: time between calls compares; resting must be this much faster to win.
-TRIAL, MARGIN = 5, 0.03
-
-
-@dataclasses.dataclass
-class Balance:
-    """Each worker's measured speed, in items per second, and the chunk sizes that follow it.
-
-    A chunk finishes at ``start + fixed cost + items / speed``; sizes proportional to the
-    measured ``items / seconds`` make every chunk finish together, which is where the estimate
-    stops moving: a worker that also pays messages gets fewer items than the caller. Only the
-    time until each result is there is seen, not what the call costs afterwards (a backward
-    request, say); so every ``REST`` calls the slowest worker sits out ``TRIAL`` calls, and
-    it rests for ``REST`` calls if the time between calls drops by ``MARGIN`` without it. A
-    worker whose single item still finishes last rests at once.
-    """
-
-    workers: tuple[int, ...] = ()
-    speeds: tuple[float, ...] = ()
-    resting: tuple[int, ...] = ()  # calls each worker still sits out
-    periods: tuple[float, ...] = ()  # the last TRIAL times between calls, in the current setup
-    last: float = 0.0  # when the previous call started
-    since: int = 0  # calls since a worker last started or stopped resting
-    trying: int = -1  # the worker sitting out a trial
-    baseline: float = 0.0  # the median time between calls before that trial
-    rest_for: int = REST  # calls the next rest lasts
-    trial_every: int = REST  # calls between trials while every worker pays
-
-    def sizes(self, n: int, workers: Sequence[int]) -> list[int]:
-        """``n`` items in one chunk per worker (0 for one that rests), proportional to their
-        speeds, at least one each otherwise (even sizes until every worker has been timed).
-        Called once per call: it also counts the call, for rests and trials."""
-        m = min(n, len(workers))
-        if tuple(workers) != self.workers or m < len(workers):
-            return split_sizes(n, m)
-        self._tick()
-        active = [i for i in range(m) if not self.resting[i]]
-        self.resting = tuple(max(0, r - 1) for r in self.resting)
-        total = sum(self.speeds[i] for i in active)
-        ideal = [n * self.speeds[i] / total if i in active else 0.0 for i in range(m)]
-        sizes = [max(1, round(x)) if i in active else 0 for i, x in enumerate(ideal)]
-        # Rounding may leave the sum off by a few: move items where it errs most.
-        while sum(sizes) > n:
-            over = [i for i in active if sizes[i] > 1]
-            sizes[max(over, key=lambda i: sizes[i] - ideal[i])] -= 1
-        while sum(sizes) < n:
-            sizes[min(active, key=lambda i: sizes[i] - ideal[i])] += 1
-        return sizes
-
-    def _tick(self) -> None:
-        """A call starts: note the time since the last one, and start or end a trial."""
-        now = time.perf_counter()
-        if self.last:
-            self.periods = (*self.periods, now - self.last)[-TRIAL:]
-        self.last = now
-        self.since += 1
-        resting = list(self.resting)
-        if self.trying >= 0:
-            resting[self.trying] = 1  # this call too
-            if self.since > TRIAL:  # TRIAL calls without it have been timed
-                if statistics.median(self.periods) < self.baseline * (1.0 - MARGIN):
-                    resting[self.trying] = self.rest_for
-                    self.rest_for, self.trial_every = min(2 * self.rest_for, 16 * REST), REST
-                else:
-                    resting[self.trying] = 0
-                    self.trial_every, self.rest_for = min(2 * self.trial_every, 16 * REST), REST
-                self.trying, self.since, self.periods = -1, 0, ()
-        else:
-            active = [i for i, r in enumerate(resting) if not r]
-            if self.since > self.trial_every and len(active) > 1 and len(self.periods) == TRIAL:
-                self.baseline = statistics.median(self.periods)
-                # The slowest; of equals the last (the caller is usually first, and has no
-                # messages to save).
-                self.trying = min(reversed(active), key=lambda i: self.speeds[i])
-                resting[self.trying] = 1
-                self.since, self.periods = 0, ()
-            elif any(r == 1 for r in resting):
-                # A rest ends with this call: try again once TRIAL calls with it are timed.
-                self.since, self.periods = self.trial_every - TRIAL - 1, ()
-        self.resting = tuple(resting)
-
-    def observe(
-        self, workers: tuple[int, ...], sizes: tuple[int, ...], seconds: list[float]
-    ) -> None:
-        """Fold one call's timings in: ``sizes[i]`` items on ``workers[i]`` took ``seconds[i]``
-        (one entry per non-empty chunk, in order)."""
-        ran = [i for i, k in enumerate(sizes) if k]
-        if min(seconds) <= 0.0:
-            return
-        if workers != self.workers:  # a new set of workers: start from this call
-            speeds = [1.0] * len(workers)
-            for i, t in zip(ran, seconds, strict=True):
-                speeds[i] = sizes[i] / t
-            fresh = Balance(workers, tuple(speeds), (0,) * len(workers))
-            for field in dataclasses.fields(self):
-                setattr(self, field.name, getattr(fresh, field.name))
-            return
-        speeds, resting = list(self.speeds), list(self.resting)
-        for j, (i, t) in enumerate(zip(ran, seconds, strict=True)):
-            speeds[i] += SMOOTHING * (sizes[i] / t - speeds[i])
-            others = seconds[:j] + seconds[j + 1 :]
-            if sizes[i] == 1 and others and t > max(others) and i != self.trying:
-                resting[i] = REST
-                self.since, self.periods = 0, ()
-        self.speeds, self.resting = tuple(speeds), tuple(resting)
 
 
 def split_sizes(n: int, k: int) -> list[int]:
@@ -207,16 +77,12 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         exclusive: One item per partition (round-robin) instead of one chunk per worker.
         keepdim: With ``exclusive=True``, ``False`` removes the split dimension.
         workers: Worker ranks or names to use, in order (default: all workers).
-        schedule: ``"static"``, ``"dynamic"`` (needs ``exclusive=True``) or ``"balanced"``
-            (needs ``exclusive=False``).
-
-    Attributes:
-        balance: What a balanced schedule has measured (:class:`Balance`); pickled along.
+        schedule: ``"static"`` or ``"dynamic"`` (needs ``exclusive=True``).
 
     Raises:
         TypeError: An argument has the wrong type.
-        ValueError: ``keepdim=False`` or ``schedule="dynamic"`` without ``exclusive=True``,
-            ``schedule="balanced"`` with it, or an empty ``workers``.
+        ValueError: ``keepdim=False`` or ``schedule="dynamic"`` without ``exclusive=True``, or
+            an empty ``workers``.
     """
 
     dim: int = 0
@@ -225,9 +91,6 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
     keepdim: bool = True
     workers: Sequence[int | str] | None = None
     schedule: str = "static"
-    balance: Balance = dataclasses.field(
-        default_factory=Balance, init=False, repr=False, compare=False, hash=False
-    )
 
     def __post_init__(self) -> None:
         dim, exclusive, keepdim, workers = self.dim, self.exclusive, self.keepdim, self.workers
@@ -262,11 +125,6 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
             raise ValueError(
                 "dim_partitioner: schedule='dynamic' hands out one item at a time, which needs "
                 "exclusive=True (one item per partition); got exclusive=False"
-            )
-        if self.schedule == "balanced" and exclusive:
-            raise ValueError(
-                "dim_partitioner: schedule='balanced' sizes one chunk per worker, which needs "
-                "exclusive=False; got exclusive=True (schedule='dynamic' balances single items)"
             )
 
     def __repr__(self) -> str:
@@ -323,13 +181,9 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
 
         leaves, rebuild = flatten_arguments(args, dict(kwargs))
         columns, sizes = self._columns(leaves, name, list(worker_ids))
-        # A balanced split may leave a worker out (size 0): it gets no partition.
-        ran = [i for i, k in enumerate(sizes) if k]
-        parts = Partitions(sizes=[sizes[i] for i in ran], schedule=self.schedule)
-        for j, i in enumerate(ran):
-            parts.append((worker_ids[i % len(worker_ids)], *rebuild([c[j] for c in columns])))
-        if self.schedule == "balanced" and len(sizes) == len(worker_ids) > 1:
-            parts.observe = functools.partial(self.balance.observe, tuple(worker_ids), tuple(sizes))
+        parts = Partitions(sizes=sizes, schedule=self.schedule)
+        for i in range(len(sizes)):
+            parts.append((worker_ids[i % len(worker_ids)], *rebuild([c[i] for c in columns])))
         return parts
 
     def _columns(
@@ -369,15 +223,9 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
                 f"dim_partitioner(dim={self.dim}): empty batch: {name(first)} has size 0 along "
                 f"dim {self.dim}"
             )
-        if self.exclusive:
-            sizes = [1] * batch
-        elif self.schedule == "balanced":
-            sizes = self.balance.sizes(batch, worker_ids)
-        else:
-            sizes = split_sizes(batch, len(worker_ids))
-        chunks = [k for k in sizes if k]
+        sizes = [1] * batch if self.exclusive else split_sizes(batch, len(worker_ids))
         columns = [
-            [leaf] * len(chunks) if dim is None else self._pieces(leaf, dim, chunks)
+            [leaf] * len(sizes) if dim is None else self._pieces(leaf, dim, sizes)
             for leaf, dim in zip(leaves, dims, strict=True)
         ]
         return columns, sizes
@@ -415,25 +263,21 @@ def dim_partitioner(
       split dimension.
     * ``schedule="dynamic"`` (with ``exclusive=True``): a synchronous call hands each item to
       the next worker that frees up, for items of uneven cost. Results keep item order.
-    * ``schedule="balanced"`` (with ``exclusive=False``): chunk sizes follow each worker's speed
-      measured over earlier calls of the same partitioner (keep one per call site), so that the
-      chunks finish together; a worker whose single item still finishes last sits out for a
-      while. The split, and with it the rounding of a reduction, varies from call to call.
 
     Args:
         dim: The dimension to split (negative counts from the end).
         exclusive: One item per partition instead of one chunk per worker.
         keepdim: Keep the split dimension (size 1) in exclusive mode.
         workers: Worker ranks or names to use, in order; ``None`` means all workers.
-        schedule: ``"static"`` (default), ``"dynamic"`` or ``"balanced"``.
+        schedule: ``"static"`` (default) or ``"dynamic"``.
 
     Returns:
         A picklable :class:`DimPartitioner`.
 
     Raises:
         TypeError: An argument has the wrong type.
-        ValueError: ``keepdim=False`` or ``schedule="dynamic"`` without ``exclusive=True``,
-            ``schedule="balanced"`` with it, or empty ``workers``.
+        ValueError: ``keepdim=False`` or ``schedule="dynamic"`` without ``exclusive=True``, or
+            empty ``workers``.
     """
     return DimPartitioner(
         dim, exclusive=exclusive, keepdim=keepdim, workers=workers, schedule=schedule

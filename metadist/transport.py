@@ -121,6 +121,7 @@ class _GradLeaf(_Wire):
     parameter: bool
     hooked: bool  # see _hooks_skipped
     origin: int  # _LEAF, _LEAF_VIEW or _COMPUTED
+    grad: Any  # the caller's leaf's .grad (wired), or None
 
 
 _LEAF, _LEAF_VIEW, _COMPUTED = 0, 1, 2
@@ -151,6 +152,7 @@ class _ModuleRef(_Wire):
     training: int
     requires_grad: int
     hooked: int  # parameters with tensor hooks on the caller (bits): see _hooks_skipped
+    grads: tuple[Any, ...]  # each parameter's .grad (wired, or None); () when none has one
 
 
 def wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> Any:
@@ -249,7 +251,10 @@ def _encode_module(
         for k, name in plan.buffer_reads
     )
     training = sum(1 << i for i, m in enumerate(modules) if m.training)
-    sent = (tuple(params), buffers, training, requires_grad, hooked)
+    grads: tuple[Any, ...] = ()
+    if not attached and any(p.grad is not None for _, _, p in plan.param_reads):
+        grads = tuple(_grad_of(p) for _, _, p in plan.param_reads)
+    sent = (tuple(params), buffers, training, requires_grad, hooked, grads)
     memo.modules[id(module)] = (plan, sent)
     return plan, sent
 
@@ -264,6 +269,14 @@ def _sent_tensor(t: torch.Tensor, dtype: torch.dtype | None, memo: CallMemo, att
         sent = wire(torch.ops.aten.alias.default(t) if alias else t.detach(), dtype)
         memo.tensors[id(t)] = sent
     return sent
+
+
+def _grad_of(t: torch.Tensor) -> Any:
+    """A leaf's ``.grad`` as it travels, so that the function sees it as in one process (and a
+    ``zero_grad()`` there clears it); ``None`` for a leaf without one or a non-leaf."""
+    if not t.is_leaf or t.grad is None:
+        return None
+    return wire(t.grad.detach(), None)
 
 
 _SCALARS = (str, bytes, int, float, complex, bool, type(None))
@@ -412,7 +425,7 @@ def encode(
             if leaf.requires_grad and not attached:
                 parameter, hooked = isinstance(leaf, nn.Parameter), bool(leaf._backward_hooks)
                 sent = _sent_tensor(leaf, dtype, memo, attached)
-                grad_leaf = _GradLeaf(sent, parameter, hooked, _origin(leaf))
+                grad_leaf = _GradLeaf(sent, parameter, hooked, _origin(leaf), _grad_of(leaf))
                 leaves[i] = refs[id(leaf)] = grad_leaf
                 sources.setdefault(id(leaf), leaf)
             elif isinstance(leaf, nn.Parameter):
@@ -424,23 +437,6 @@ def encode(
             refuse_hidden_grad(leaf, f"argument {_name((args, kwargs, i))}")
     new_args, new_kwargs = rebuild(leaves)
     return new_args, new_kwargs, True, tuple(new_structures), list(sources.values())
-
-
-def grad_sources(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
-    """The tensors that require grad among the arguments, modules' parameters included, once
-    each; ``None`` inside a torch.func transform."""
-    if _transforming():
-        return None
-    leaves, _ = flatten_arguments(args, kwargs)
-    found: dict[int, torch.Tensor] = {}
-    for leaf in leaves:
-        if isinstance(leaf, nn.Module):
-            for p in leaf.parameters():
-                if p.requires_grad:
-                    found.setdefault(id(p), p)
-        elif isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            found.setdefault(id(leaf), leaf)
-    return list(found.values())
 
 
 def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -494,6 +490,8 @@ def _decode_module(
                 # Sent detached: the worker's module holds nn.Parameter leaves, as the caller's
                 # does, and the worker differentiates with respect to them when asked.
                 p = nn.Parameter(p, requires_grad=bool(ref.requires_grad >> i & 1))
+                if ref.grads and ref.grads[i] is not None:
+                    p.grad = unwire(ref.grads[i])
                 if ref.hooked >> i & 1 and p.requires_grad:
                     what = f"parameter {i} of a module argument"
                     guards.append(p.register_hook(functools.partial(_hooks_skipped, what)))
@@ -512,6 +510,8 @@ def _decode_tensor(leaf: Any, i: int, leaves: list[torch.Tensor] | None, guards:
             t = nn.Parameter(t)
         else:
             t = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
+        if leaf.grad is not None:
+            t.grad = unwire(leaf.grad)
         if leaf.hooked:
             what = f"argument {i} (flattened)"
             guards.append(t.register_hook(functools.partial(_hooks_skipped, what)))

@@ -8,7 +8,7 @@ the result depends on those leaves, the worker keeps the graph under the key the
 and answers later *gradient requests* for it with ``torch.autograd.grad``: the vector-Jacobian
 product of the partition, in the sense of ``torch.func.vjp``. With ``create_graph`` the answer is
 itself kept the same way, which is how a gradient of a gradient crosses a call. The caller's
-half is in :mod:`metadist.autograd`; it releases a key when its own graph is freed, or when the
+half is in :mod:`metadist.link`; it releases a key when its own graph is freed, or when the
 partition's result never reached it (a timeout, a failed sibling).
 """
 
@@ -17,23 +17,20 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from metadist import ahead, timeline, transport, world
+from metadist import timeline, transport, world
 from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from metadist.errors import RemoteFailure
+from metadist.messages import Answer, GradientItem, GradientRequest, Reply, Request
 
 __all__ = [
-    "CallerState",
-    "Reply",
-    "Request",
     "current_context_id",
     "kept_graphs",
     "lend_main_thread",
@@ -44,74 +41,6 @@ __all__ = [
 
 #: Where a ``parallelize`` wrapper keeps the function it wraps (workers run that one).
 ORIGINAL = "__metadist_original__"
-
-NO_GRAD, GRAD, INFERENCE = 0, 1, 2
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-class CallerState(NamedTuple):
-    """The caller's autograd mode and autocast state, re-created around the partition."""
-
-    grad: int
-    autocast: tuple[tuple[str, torch.dtype], ...]
-
-    @staticmethod
-    def here() -> CallerState:
-        """This thread's state."""
-        if torch.is_inference_mode_enabled():
-            grad = INFERENCE
-        else:
-            grad = GRAD if torch.is_grad_enabled() else NO_GRAD
-        autocast = tuple(
-            (d, torch.get_autocast_dtype(d))
-            for d in _AUTOCAST_DEVICES
-            if torch.is_autocast_enabled(d)
-        )
-        return CallerState(grad, autocast)
-
-    def enter(self, stack: contextlib.ExitStack) -> None:
-        """Put this thread in this state until ``stack`` closes."""
-        if self.grad == INFERENCE:
-            stack.enter_context(torch.inference_mode())
-        elif torch.is_grad_enabled() != (self.grad == GRAD) or torch.is_inference_mode_enabled():
-            stack.enter_context(torch.set_grad_enabled(self.grad == GRAD))
-        for device, dtype in self.autocast:
-            stack.enter_context(torch.autocast(device, dtype))
-
-
-class Request(NamedTuple):
-    """One partition on the wire, caller to worker."""
-
-    func: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    decode: bool  # the arguments hold transport's wire objects
-    compression: torch.dtype | None
-    state: CallerState
-    key: int  # the key to keep the graph under; -1: the call travels attached to a context
-    in_context: bool  # the caller is inside a distributed autograd context
-    timed: bool
-    release: tuple[int, ...]  # keys whose graphs the caller no longer needs
-    # The gradients the results that require grad will get, when the caller expects them: the
-    # backward then runs ahead, and its answer travels with the reply (see metadist.ahead).
-    expect: tuple[float | None, ...] | None = None
-
-
-class Reply(NamedTuple):
-    """A partition's result on the wire, worker to caller: the result detached (its tensors
-    wired where ``wired``), the flat indices of those that required grad (``outputs``), whether
-    their graph is kept under the request's key (else they are fresh leaves, as locally), and
-    the ``.grad`` the function left on the leaves, by position (``written``)."""
-
-    value: Any
-    outputs: tuple[int, ...]
-    kept: bool
-    written: tuple[tuple[int, torch.Tensor], ...]
-    wired: bool
-    start: float
-    end: float
-    ahead: tuple[Any, ...] | None = None  # the leaves' gradients for the expected ones (wired)
-
 
 # ----------------------------------------------------------------------------------------------
 # The main thread: a worker's is idle while it waits for the others to finish, and computes
@@ -254,23 +183,59 @@ def check_result(result: Any) -> None:
             transport.refuse_hidden_grad(leaf, f"the result at result{keystr(path)}")
 
 
-def _reply(result: Any, leaves: list[torch.Tensor], key: int, dtype: Any, start: float) -> Reply:
-    """``result`` detached and wired, its graph kept under ``key`` when it reaches ``leaves``."""
-    written = tuple((k, t.grad) for k, t in enumerate(leaves) if t.grad is not None)
+def _grad_changes(
+    leaves: list[torch.Tensor], given: list[tuple[Any, Any]]
+) -> tuple[tuple[int, Any], ...]:
+    """Each leaf's ``.grad`` where the function changed it: ``given`` holds what the leaf got
+    (the caller's ``.grad``, or ``None``) and a copy to compare with."""
+    changes = []
+    for k, (leaf, (start, copy)) in enumerate(zip(leaves, given, strict=True)):
+        now = leaf.grad
+        if start is None and now is None:
+            continue
+        if start is not None and now is start and _same(now, copy):
+            continue
+        changes.append((k, None if now is None else transport.wire(now.detach(), None)))
+    return tuple(changes)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return bool(torch.equal(a, b))
+    except RuntimeError:  # a layout torch.equal does not take (sparse): say changed
+        return False
+
+
+def _reply(
+    result: Any, leaves: list[torch.Tensor], request: Request, given: list[Any], start: float
+) -> Reply:
+    """``result`` detached and wired, its graph kept under the request's key when it reaches
+    ``leaves``."""
+    grads = _grad_changes(leaves, given)
     flat, spec = tree_flatten(result)
     outputs = tuple(
         i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
     )
-    kept = bool(outputs and leaves)
+    kept = bool(outputs and leaves) and request.graph is not None
     if kept:
-        _keep(key, leaves, [flat[i] for i in outputs])
+        assert request.graph is not None
+        _keep(request.graph, leaves, [flat[i] for i in outputs])
     wired = False
     for i, t in enumerate(flat):
         if isinstance(t, torch.Tensor):
-            w = transport.wire(t.detach(), dtype)
+            w = transport.wire(t.detach(), request.compression)
             wired = wired or w is not t
             flat[i] = w
-    return Reply(tree_unflatten(flat, spec), outputs, kept, written, wired, start, timeline.now())
+    value = tree_unflatten(flat, spec)
+    return Reply(
+        value=value,
+        outputs=outputs,
+        kept=kept,
+        grads=grads,
+        wired=wired,
+        start=start,
+        end=timeline.now(),
+    )
 
 
 def _recorded(context_id: int) -> tuple[set[int], set[int]]:
@@ -331,7 +296,7 @@ def run_partition(request: Request) -> Future[Any]:
     autograd context, which only its handler thread holds.
     """
     _drop(request.release)
-    if request.key < 0:
+    if request.attached:
         future: Future[Any] = Future()
         _complete(lambda: _run_partition(request), future)
         return future
@@ -339,34 +304,44 @@ def run_partition(request: Request) -> Future[Any]:
 
 
 def _run_partition(request: Request) -> Any:
-    func, args, kwargs, decode, dtype, state, key, in_context, timed, _, expect = request
-    start = timeline.now() if timed else 0.0
+    start = timeline.now() if request.timed else 0.0
     world.use_process_threads()  # an RPC handler thread: see world.use_process_threads
     me = rpc.get_worker_info().name
-    attached = key < 0
+    args, kwargs = request.args, request.kwargs
+    leaves: list[torch.Tensor] = []
+    guards: list[Any] = []
     try:
-        leaves: list[torch.Tensor] = []
-        guards: list[Any] = []
-        if decode:
-            args, kwargs, leaves, guards = transport.decode(args, kwargs, leaves=not attached)
+        if request.decode:
+            args, kwargs, leaves, guards = transport.decode(
+                args, kwargs, leaves=not request.attached
+            )
     except Exception as error:
         return RemoteFailure.capture(error, me, "decode")
+    # What each leaf's .grad was (the caller's, sent along): the reply says where it changed.
+    given = [(t.grad, None if t.grad is None else t.grad.clone()) for t in leaves]
     try:
         with contextlib.ExitStack() as stack:
-            state.enter(stack)
-            if in_context and not attached:
+            request.state.enter(stack)
+            if request.in_context and not request.attached:
                 stack.enter_context(_watch_rpc())
-            began = time.perf_counter()
+            func = request.func
             try:
                 result = getattr(func, ORIGINAL, func)(*args, **kwargs)
             finally:
                 for guard in guards:  # see transport._hooks_skipped
                     guard.remove()
-            took = time.perf_counter() - began
             check_result(result)
-        if attached:  # torch's distributed autograd links the tensors of the reply
-            return Reply(result, (), False, (), False, start, timeline.now())
-        reply = _reply(result, leaves, key, dtype, start)
+        if request.attached:  # torch's distributed autograd links the tensors of the reply
+            return Reply(
+                value=result,
+                outputs=(),
+                kept=False,
+                grads=(),
+                wired=False,
+                start=start,
+                end=timeline.now(),
+            )
+        return _reply(result, leaves, request, given, start)
     except Exception as error:
         return RemoteFailure.capture(error, me, "call")
     except (SystemExit, GeneratorExit) as error:
@@ -374,38 +349,23 @@ def _run_partition(request: Request) -> Any:
         wrapped = RuntimeError(f"the function raised {type(error).__name__}({error})")
         wrapped.__cause__ = error
         return RemoteFailure.capture(wrapped, me, "call")
-    if expect is not None and reply.kept and dtype is None and ahead.worth(took):
-        with _GRAPHS_LOCK:
-            graph = _GRAPHS.get(key)
-        found = None if graph is None else ahead.backward(graph[1], graph[0], expect)
-        if found is not None:
-            wired = tuple(None if g is None else transport.wire(g, None) for g in found)
-            reply = reply._replace(ahead=wired, end=timeline.now())
-    return reply
 
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]
-def vjp(*args: Any) -> Future[Any]:
+def vjp(request: GradientRequest) -> Future[Any]:
     """Answer one gradient request (the RPC target); on the main thread when it is free."""
-    return _MAIN.run(lambda: _vjp(*args))
+    return _MAIN.run(lambda: _vjp(request))
 
 
-def _vjp(
-    requests: list[tuple[int, list[torch.Tensor | None], int]],
-    retain: bool,
-    create_graph: bool,
-    compression: torch.dtype | None,
-) -> Any:
-    """Answer one gradient request: per kept graph (its key, each output's gradient or
-    ``None``, and with ``create_graph`` the key for the answer's own graph, whose leaves are the
-    graph's leaves then the received gradients), the gradient of each leaf and the indices of
-    those whose graph was kept; or a ``RemoteFailure``. ``retain`` is the caller's
-    ``retain_graph``: without it, what the pass went through is freed, as in a local pass."""
+def _vjp(request: GradientRequest) -> Any:
+    """Answer each item of a gradient request (a list of :class:`Answer`), or a
+    ``RemoteFailure``. Without ``retain``, what the pass went through is freed, as in a local
+    pass."""
     world.use_process_threads()
     me = rpc.get_worker_info().name
     try:
         with _GRAPHS_LOCK:
-            graphs = [_GRAPHS[key] for key, _, _ in requests]
+            graphs = [_GRAPHS[item.graph] for item in request.items]
     except KeyError as error:
         return RemoteFailure.capture(
             RuntimeError(f"graph {error} is gone from this worker: it was released"), me, "call"
@@ -413,41 +373,57 @@ def _vjp(
     try:
         with torch.enable_grad():
             return [
-                _vjp_one(graph, grads, answer_key, retain, create_graph, compression)
-                for graph, (_, grads, answer_key) in zip(graphs, requests, strict=True)
+                _vjp_one(graph, item, request)
+                for graph, item in zip(graphs, request.items, strict=True)
             ]
     except Exception as error:
         return RemoteFailure.capture(error, me, "backward")
 
 
-def _vjp_one(  # noqa: PLR0917
+def _vjp_one(
     graph: tuple[list[torch.Tensor], list[torch.Tensor]],
-    grads: list[torch.Tensor | None],
-    answer_key: int,
-    retain: bool,
-    create_graph: bool,
-    compression: torch.dtype | None,
-) -> tuple[list[torch.Tensor | None], tuple[int, ...]]:
+    item: GradientItem,
+    request: GradientRequest,
+) -> Answer:
+    """The gradients of a kept graph's leaves for its results' gradients. With
+    ``create_graph`` the received gradients become leaves of the answer's graph, after the
+    partition's, so that the caller can differentiate the answer with respect to them too."""
     leaves, outputs = graph
-    grads = [None if g is None else transport.unwire(g) for g in grads]
+    grads = [None if g is None else transport.unwire(g) for g in item.grads]
     reached = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
-    # With create_graph, the received gradients become leaves of the answer's graph, so that
-    # the caller can differentiate the answer with respect to them too.
-    grad_leaves = [g.detach().requires_grad_(True) for _, g in reached] if create_graph else []
+    if request.create_graph:
+        reached = [(o, g.detach().requires_grad_(True)) for o, g in reached]
+    roots, root_grads = _roots(reached)
     found: list[torch.Tensor | None] = list(
         torch.autograd.grad(
-            [o for o, _ in reached],
+            roots,
             leaves,
-            grad_leaves if create_graph else [g for _, g in reached],
-            retain_graph=retain,
-            create_graph=create_graph,
+            root_grads,
+            retain_graph=request.retain,
+            create_graph=request.create_graph,
             allow_unused=True,
         )
     )
-    diff: tuple[int, ...] = ()
-    if create_graph:
-        diff = tuple(i for i, g in enumerate(found) if g is not None and g.requires_grad)
-        if diff:
-            _keep(answer_key, [*leaves, *grad_leaves], [found[i] for i in diff])  # type: ignore[misc]
-    answer = [None if g is None else transport.wire(g.detach(), compression) for g in found]
-    return answer, diff
+    kept: tuple[int, ...] = ()
+    if request.create_graph:
+        kept = tuple(i for i, g in enumerate(found) if g is not None and g.requires_grad)
+        if kept:
+            assert item.answer_graph is not None
+            grad_leaves = [g for _, g in reached]
+            _keep(item.answer_graph, [*leaves, *grad_leaves], [found[i] for i in kept])  # type: ignore[misc]
+    answer = [None if g is None else transport.wire(g.detach(), request.compression) for g in found]
+    return Answer(grads=answer, kept=kept)
+
+
+def _roots(reached: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, Any]:
+    """``torch.autograd.grad``'s outputs and grad_outputs for results ``o`` with gradients
+    ``g``: for real dense results, the scalars ``(o * g).sum()`` with no grad_outputs, whose
+    backward hands ``o`` exactly ``1 * g == g`` (bit for bit), and which spare a step
+    torch's first pass with grad_outputs (it imports sympy: 0.6 s of CPU on a worker's first
+    backward); else the results with their gradients."""
+    plain = (
+        o.layout == torch.strided and not o.is_nested and o.dtype == g.dtype for o, g in reached
+    )
+    if all(plain) and all(o.is_floating_point() for o, _ in reached):
+        return [(o * g).sum() for o, g in reached], None
+    return [o for o, _ in reached], [g for _, g in reached]

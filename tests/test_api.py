@@ -679,62 +679,6 @@ def dynamic_schedule_errors_name_task_and_worker(world_size: int) -> None:
     assert torch.equal(fut.wait(), torch.arange(6.0) * 2)
 
 
-def paced_loss(
-    model: nn.Module, x: torch.Tensor, costs: dict[int, tuple[float, float]]
-) -> tuple[torch.Tensor, int, int]:
-    """The mean loss of ``x``'s rows, after sleeping ``fixed + per_item * rows`` seconds."""
-    rank = md.get_rank()
-    fixed, per_item = costs[rank]
-    time.sleep(fixed + per_item * len(x))
-    return model(x).pow(2).mean(), rank, len(x)
-
-
-def _balanced_step(
-    model: nn.Module, x: torch.Tensor, part: Any, costs: Any, in_context: bool
-) -> dict[int, int]:
-    """One balanced call's items per rank; its loss and gradient equal the local ones."""
-    model.zero_grad()
-    with mag.context() if in_context else contextlib.nullcontext() as ctx:
-        outs = md.remote_sync_call(paced_loss, args=(model, x, costs), partitioner=part)
-        loss = sum(value * n for value, _, n in outs) / len(x)
-        if ctx is None:
-            loss.backward()
-        else:
-            mag.backward(ctx, [loss])
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    local = model(x).pow(2).mean()
-    local.backward()
-    assert_close(loss.detach(), local.detach(), "loss")
-    for got, want in zip(grads, [p.grad for p in model.parameters()], strict=True):
-        assert_close(got, want, "gradient")
-    assert sum(n for _, _, n in outs) == len(x)
-    return {rank: n for _, rank, n in outs}
-
-
-def balanced_schedule_follows_worker_speed(world_size: int) -> None:
-    torch.manual_seed(5)
-    model, x = nn.Linear(4, 1), torch.randn(30, 4)
-    # worker2 is four times slower per item than the caller and worker1
-    costs = {0: (0.0, 0.002), 1: (0.0, 0.002), 2: (0.0, 0.008)}
-    for in_context in (False, True):
-        part = md.dim_partitioner(0, schedule="balanced")
-        splits = [_balanced_step(model, x, part, costs, in_context) for _ in range(12)]
-        assert splits[0] == {0: 10, 1: 10, 2: 10}, splits[0]  # even until timed
-        last = splits[-1]
-        assert last[2] < last[1], (in_context, splits)
-        assert last[2] < last[0], (in_context, splits)
-    # A worker whose single item takes longer than the whole batch elsewhere sits out.
-    costs = {0: (0.0, 0.001), 1: (0.0, 0.001), 2: (0.3, 0.0)}
-    part = md.dim_partitioner(0, schedule="balanced")
-    splits = [_balanced_step(model, x, part, costs, False) for _ in range(8)]
-    assert 2 in splits[0], splits
-    out = next(i for i, split in enumerate(splits) if 2 not in split)
-    assert out <= 4, splits
-    assert all(2 not in split for split in splits[out:]), splits
-    assert part.balance.resting[2] > 0
-
-
 def openmp_threads() -> int:
     """OpenMP's team size for parallel regions started on the calling thread."""
     gomp = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libgomp.so.1"))
@@ -804,7 +748,6 @@ SCENARIOS: list[Callable[[int], Any]] = [
     nested_fan_out_ten_times_the_pool,
     dynamic_schedule_equals_static,
     dynamic_schedule_errors_name_task_and_worker,
-    balanced_schedule_follows_worker_speed,
     partitions_use_the_process_thread_count,
     parallelize_draws_progress,
 ]

@@ -13,10 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_structure
 
-from metadist import partition
 from metadist.partition import (
-    REST,
-    TRIAL,
     DimPartitioner,
     Partitions,
     dim_partitioner,
@@ -286,124 +283,9 @@ def test_argument_paths_name_leaves_as_the_user_wrote_them() -> None:
     ]
 
 
-def _balanced_run(
-    cost: Any, n: int, calls: int, workers: list[int]
-) -> tuple[DimPartitioner, list[dict[int, int]]]:
-    """``calls`` calls of a balanced partitioner whose chunk on worker ``w`` takes
-    ``cost(w, items)`` seconds; each call's ``{worker: items}``."""
-    part = dim_partitioner(0, schedule="balanced")
-    history = []
-    for _ in range(calls):
-        batch = torch.arange(n)
-        parts = part.split((batch, "meta"), {}, worker_ids=workers)
-        assert torch.equal(torch.cat([args[0] for _, args, _ in parts]), batch)  # once, in order
-        assert all(size > 0 for size in parts.sizes or ())  # a resting worker gets no partition
-        split = {w: len(args[0]) for w, args, _ in parts}
-        assert parts.observe is not None
-        parts.observe([cost(w, k) for w, k in split.items()])
-        history.append(split)
-    return part, history
-
-
-def test_balanced_split_makes_chunks_finish_together():
-    # Worker 1 pays 4 ms more per call (its messages), and is half as fast per item.
-    def cost(w: int, k: int) -> float:
-        return 0.001 * k if w == 0 else 0.004 + 0.002 * k
-
-    part, history = _balanced_run(cost, 40, 30, [0, 1])
-    assert history[0] == {0: 20, 1: 20}  # even until every worker has been timed
-    last = history[-1]
-    assert last[0] > last[1] > 1
-    assert abs(cost(0, last[0]) - cost(1, last[1])) <= 0.003  # within one item of each
-    assert part.balance.speeds[0] > part.balance.speeds[1]
-    assert history[-5:] == [last] * 5  # it settles
-
-
-def test_balanced_split_rests_a_worker_that_costs_more_than_it_saves():
-    # One item on worker 1 takes longer than the whole batch on worker 0.
-    def cost(w: int, k: int) -> float:
-        return 0.001 * k if w == 0 else 0.05 + 0.001 * k
-
-    part, history = _balanced_run(cost, 20, REST + 30, [0, 1])
-    first_out = next(i for i, split in enumerate(history) if 1 not in split)
-    assert history[first_out - 1] == {0: 19, 1: 1}  # shrunk to one item before resting
-    assert all(history[i] == {0: 20} for i in range(first_out, first_out + REST))
-    probe = history[first_out + REST]
-    assert probe == {0: 19, 1: 1}  # then it gets its share back once
-    assert history[first_out + REST + 1] == {0: 20}  # and rests again: it still does not pay
-    assert part.balance.resting[1] > 0
-
-
-def test_balanced_split_follows_a_change_and_a_new_worker_set():
-    slow = [1]
-
-    def cost(w: int, k: int) -> float:
-        return 0.001 * k * (3 if w in slow else 1)
-
-    part, history = _balanced_run(cost, 60, 25, [0, 1, 2])
-    assert history[-1][1] < history[-1][0]
-    assert history[-1][1] < history[-1][2]
-    slow[0] = 2  # worker 2 slows down, worker 1 recovers: the split follows within calls
-    for _ in range(25):
-        parts = part.split((torch.arange(60),), {}, worker_ids=[0, 1, 2])
-        split = {w: len(args[0]) for w, args, _ in parts}
-        assert parts.observe is not None
-        parts.observe([cost(w, k) for w, k in split.items()])
-    assert split[2] < split[0]
-    assert split[2] < split[1]
-    # other workers: even again until they are timed
-    parts = part.split((torch.arange(60),), {}, worker_ids=[0, 2])
-    assert parts.sizes == (30, 30)
-    # one worker, or fewer items than workers: nothing to balance, nothing asked back
-    assert part.split((torch.arange(6),), {}, worker_ids=[1]).observe is None
-    assert part.split((torch.arange(1),), {}, worker_ids=[0, 2]).observe is None
-
-
-def test_balanced_schedule_input_and_pickling():
-    with pytest.raises(ValueError, match="needs exclusive=False"):
-        dim_partitioner(0, exclusive=True, schedule="balanced")
-    with pytest.raises(ValueError, match="'static', 'dynamic' or 'balanced'"):
-        dim_partitioner(0, schedule="fair")
-    part = dim_partitioner(0, schedule="balanced")
-    parts = part.split((torch.arange(10),), {}, worker_ids=[0, 1])
-    assert parts.observe is not None
-    parts.observe([0.001, 0.004])
-    clone = pickle.loads(pickle.dumps(part))  # nested calls send it, what it learnt included
-    assert clone == part
-    assert clone.balance == part.balance
-    assert clone != dim_partitioner(0)  # the schedule is part of what it is
-    assert "schedule='balanced'" in repr(part)
-    assert dim_partitioner(0).split((torch.arange(4),), {}, worker_ids=[0, 1]).observe is None
-
-
-@pytest.mark.parametrize("resting_pays", [True, False])
-def test_balanced_split_tries_without_the_slowest_worker(
-    monkeypatch: pytest.MonkeyPatch, resting_pays: bool
-):
-    # Both chunks come back together (so the split alone never drops worker 1), but the time
-    # between calls says whether the step is faster without worker 1 (its backward, say).
-    clock = [0.0]
-    monkeypatch.setattr(partition.time, "perf_counter", lambda: clock[0])
-    part = dim_partitioner(0, schedule="balanced")
-    history = []
-    for _ in range(4 * REST + 4 * TRIAL):
-        parts = part.split((torch.arange(20),), {}, worker_ids=[0, 1])
-        split = {w: len(args[0]) for w, args, _ in parts}
-        assert parts.observe is not None
-        parts.observe([0.001 * k * (1.0 + 0.1 * w) for w, k in split.items()])
-        clock[0] += 0.010 if 1 in split else (0.006 if resting_pays else 0.012)
-        history.append(split)
-    without = [i for i, split in enumerate(history) if 1 not in split]
-    trial = list(range(REST + 1, REST + 2 + TRIAL))  # after REST calls: TRIAL (+1) without it
-    assert without[: len(trial)] == trial
-    if resting_pays:  # it then rests REST calls, comes back for TRIAL + 1, and is tried again
-        rest = list(range(trial[-1] + 1, trial[-1] + 1 + REST))
-        assert without[len(trial) : len(trial) + len(rest)] == rest
-        back = rest[-1] + 1
-        assert all(1 in split for split in history[back : back + TRIAL + 1])
-        assert 1 not in history[back + TRIAL + 1]
-        assert part.balance.rest_for == 4 * REST  # the rest doubles with each confirmation
-    else:  # it comes back, for twice as long before the next trial
-        assert 1 in history[trial[-1] + 1]
-        assert without[len(trial)] == trial[-1] + 2 * REST + 2  # the next trial
-        assert part.balance.trial_every == 4 * REST  # which did not pay either
+def test_schedule_is_static_or_dynamic():
+    with pytest.raises(ValueError, match="schedule must be 'static' or 'dynamic', got 'balanced'"):
+        dim_partitioner(0, schedule="balanced")
+    with pytest.raises(ValueError, match="needs exclusive=True"):
+        dim_partitioner(0, schedule="dynamic")
+    assert dim_partitioner(0, exclusive=True, schedule="dynamic").schedule == "dynamic"

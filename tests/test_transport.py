@@ -615,8 +615,7 @@ def hooked_parameters_are_exact_or_refused(world_size: int) -> None:
     for m in (model, local):
         for p in m.parameters():
             p.register_hook(_clamped)
-    # The hooks change only the caller's pass: they run there, once, as locally (answers
-    # ahead included: steps 2 and 3).
+    # The hooks change only the caller's pass: they run there, once, as locally.
     for step in range(4):
         model.zero_grad()
         local.zero_grad()
