@@ -93,39 +93,7 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
     schedule: str = "static"
 
     def __post_init__(self) -> None:
-        dim, exclusive, keepdim, workers = self.dim, self.exclusive, self.keepdim, self.workers
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"dim_partitioner: dim must be an int, got {dim!r}")
-        if not isinstance(exclusive, bool):
-            raise TypeError(f"dim_partitioner: exclusive must be a bool, got {exclusive!r}")
-        if not isinstance(keepdim, bool):
-            raise TypeError(f"dim_partitioner: keepdim must be a bool, got {keepdim!r}")
-        if not keepdim and not exclusive:
-            raise ValueError(
-                "dim_partitioner: keepdim=False removes the split dimension, which only makes "
-                "sense with exclusive=True (one item per partition); got exclusive=False"
-            )
-        if workers is not None:
-            if isinstance(workers, (str, int)) or not isinstance(workers, Sequence):
-                raise TypeError(
-                    f"dim_partitioner: workers must be a sequence of worker ids or names, got "
-                    f"{workers!r}; wrap a single worker in a list"
-                )
-            self.workers = workers = tuple(workers)
-            if not workers:
-                raise ValueError("dim_partitioner: workers must not be empty")
-            for worker in workers:
-                if isinstance(worker, bool) or not isinstance(worker, (int, str)):
-                    raise TypeError(
-                        f"dim_partitioner: workers must hold int ranks or str names, got "
-                        f"{worker!r} in {workers!r}"
-                    )
-        self.schedule = _check_schedule(self.schedule, "dim_partitioner")
-        if self.schedule == "dynamic" and not exclusive:
-            raise ValueError(
-                "dim_partitioner: schedule='dynamic' hands out one item at a time, which needs "
-                "exclusive=True (one item per partition); got exclusive=False"
-            )
+        _check_fields(self)
 
     def __repr__(self) -> str:
         return (
@@ -180,50 +148,18 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
             return argument_path(tree_flatten_with_path((args, dict(kwargs)))[0][i][0])
 
         leaves, rebuild = flatten_arguments(args, dict(kwargs))
-        columns, sizes = self._columns(leaves, name, list(worker_ids))
+        columns, sizes = self._columns(leaves, name, len(worker_ids))
         parts = Partitions(sizes=sizes, schedule=self.schedule)
         for i in range(len(sizes)):
             parts.append((worker_ids[i % len(worker_ids)], *rebuild([c[i] for c in columns])))
         return parts
 
     def _columns(
-        self, leaves: list[Any], name: Callable[[int], str], worker_ids: list[int]
+        self, leaves: list[Any], name: Callable[[int], str], workers: int
     ) -> tuple[list[Sequence[Any]], list[int]]:
         """Each leaf's value in every partition (pieces, or replicated), and the partition sizes."""
-        dims: list[int | None] = []
-        batch, first = 0, -1  # the batch size, and the leaf that set it
-        for index, leaf in enumerate(leaves):
-            # Parameters are model state, not batch data: replicated like modules.
-            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, nn.Parameter):
-                dims.append(None)
-                continue
-            ndim = leaf.dim()
-            dim = self.dim + ndim if self.dim < 0 else self.dim
-            if not 0 <= dim < ndim:
-                raise ValueError(
-                    f"dim_partitioner(dim={self.dim}): argument {name(index)} has shape "
-                    f"{tuple(leaf.shape)}; dim {self.dim} is out of range for {ndim} dimension(s)"
-                )
-            if first < 0:
-                batch, first = leaf.shape[dim], index
-            elif leaf.shape[dim] != batch:
-                raise ValueError(
-                    f"dim_partitioner(dim={self.dim}): tensor arguments disagree on the batch "
-                    f"size: {name(first)} has {batch} along dim {self.dim} but {name(index)} has "
-                    f"{leaf.shape[dim]} (shape {tuple(leaf.shape)})"
-                )
-            dims.append(dim)
-        if first < 0:
-            raise ValueError(
-                "dim_partitioner: the arguments hold no tensor to split (nn.Parameter leaves are "
-                "replicated, not split); pass a worker id as partitioner to run on one worker"
-            )
-        if batch == 0:
-            raise ValueError(
-                f"dim_partitioner(dim={self.dim}): empty batch: {name(first)} has size 0 along "
-                f"dim {self.dim}"
-            )
-        sizes = [1] * batch if self.exclusive else split_sizes(batch, len(worker_ids))
+        dims, batch = _batch_dims(leaves, self.dim, name)
+        sizes = [1] * batch if self.exclusive else split_sizes(batch, workers)
         columns = [
             [leaf] * len(sizes) if dim is None else self._pieces(leaf, dim, sizes)
             for leaf, dim in zip(leaves, dims, strict=True)
@@ -244,6 +180,82 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
                 return [tensor.select(dim, i) for i in range(tensor.shape[dim])]
             starts = itertools.accumulate(sizes[:-1], initial=0)
             return [tensor.narrow(dim, i, k) for i, k in zip(starts, sizes, strict=True)]
+
+
+def _batch_dims(
+    leaves: list[Any], dim: int, name: Callable[[int], str]
+) -> tuple[list[int | None], int]:
+    """Each leaf's split dimension (``None``: replicated) and the batch size they agree on."""
+    dims: list[int | None] = []
+    batch, first = 0, -1  # the batch size, and the leaf that set it
+    for index, leaf in enumerate(leaves):
+        # Parameters are model state, not batch data: replicated like modules.
+        if not isinstance(leaf, torch.Tensor) or isinstance(leaf, nn.Parameter):
+            dims.append(None)
+            continue
+        ndim = leaf.dim()
+        axis = dim + ndim if dim < 0 else dim
+        if not 0 <= axis < ndim:
+            raise ValueError(
+                f"dim_partitioner(dim={dim}): argument {name(index)} has shape "
+                f"{tuple(leaf.shape)}; dim {dim} is out of range for {ndim} dimension(s)"
+            )
+        if first < 0:
+            batch, first = leaf.shape[axis], index
+        elif leaf.shape[axis] != batch:
+            raise ValueError(
+                f"dim_partitioner(dim={dim}): tensor arguments disagree on the batch "
+                f"size: {name(first)} has {batch} along dim {dim} but {name(index)} has "
+                f"{leaf.shape[axis]} (shape {tuple(leaf.shape)})"
+            )
+        dims.append(axis)
+    if first < 0:
+        raise ValueError(
+            "dim_partitioner: the arguments hold no tensor to split (nn.Parameter leaves are "
+            "replicated, not split); pass a worker id as partitioner to run on one worker"
+        )
+    if batch == 0:
+        raise ValueError(
+            f"dim_partitioner(dim={dim}): empty batch: {name(first)} has size 0 along dim {dim}"
+        )
+    return dims, batch
+
+
+def _check_fields(part: DimPartitioner) -> None:
+    """Refuse bad fields of a new partitioner, naming them; its ``workers`` made a tuple."""
+    dim, exclusive, keepdim, workers = part.dim, part.exclusive, part.keepdim, part.workers
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim_partitioner: dim must be an int, got {dim!r}")
+    if not isinstance(exclusive, bool):
+        raise TypeError(f"dim_partitioner: exclusive must be a bool, got {exclusive!r}")
+    if not isinstance(keepdim, bool):
+        raise TypeError(f"dim_partitioner: keepdim must be a bool, got {keepdim!r}")
+    if not keepdim and not exclusive:
+        raise ValueError(
+            "dim_partitioner: keepdim=False removes the split dimension, which only makes "
+            "sense with exclusive=True (one item per partition); got exclusive=False"
+        )
+    if workers is not None:
+        if isinstance(workers, (str, int)) or not isinstance(workers, Sequence):
+            raise TypeError(
+                f"dim_partitioner: workers must be a sequence of worker ids or names, got "
+                f"{workers!r}; wrap a single worker in a list"
+            )
+        part.workers = workers = tuple(workers)
+        if not workers:
+            raise ValueError("dim_partitioner: workers must not be empty")
+        for worker in workers:
+            if isinstance(worker, bool) or not isinstance(worker, (int, str)):
+                raise TypeError(
+                    f"dim_partitioner: workers must hold int ranks or str names, got "
+                    f"{worker!r} in {workers!r}"
+                )
+    part.schedule = _check_schedule(part.schedule, "dim_partitioner")
+    if part.schedule == "dynamic" and not exclusive:
+        raise ValueError(
+            "dim_partitioner: schedule='dynamic' hands out one item at a time, which needs "
+            "exclusive=True (one item per partition); got exclusive=False"
+        )
 
 
 def dim_partitioner(
