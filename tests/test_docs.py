@@ -93,7 +93,7 @@ EXPECTED_BLOCKS = {
     "docs/optim.md": 5,
     "docs/performance.md": 12,
     "docs/quickstart.md": 3,
-    "docs/remote_calls.md": 6,
+    "docs/remote_calls.md": 5,
     "docs/security.md": 1,
     "docs/troubleshooting.md": 22,
 }
