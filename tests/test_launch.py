@@ -23,14 +23,14 @@ from hypothesis import strategies as st
 
 import metadist
 from metadist import network
-from metadist.launch import (
+from metadist.environment import (
     SLURM_PORT_BASE,
-    _listener_and_rendezvous,
     expand_hostlist,
     master_address,
     read_launch_environment,
     tasks_per_node,
 )
+from metadist.launch import _listener_and_rendezvous
 
 SCRIPT = REPO / "tests" / "scripts" / "multinode_worker.py"
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "TP_SOCKET", "GLOO_SOCKET", "TORCHELASTIC_")

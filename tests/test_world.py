@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import os
 import re
 import sys
@@ -14,7 +16,8 @@ from _bad_input import Row, double, table_test
 from _dist import REPO, non_loopback_listeners, run_command, run_torchrun, run_world
 
 import metadist
-from metadist.world import default_worker_name_format
+from metadist import launch
+from metadist.environment import default_worker_name_format
 
 TORCHRUN_ENV = (
     "RANK",
@@ -37,6 +40,48 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 # ---------------------------------------------------------------------------------------------
 # In-process: no RPC needed
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Which metadist modules each one imports, anywhere in it (functions too), from the source;
+    ``optim`` (a package) is one node, ``__init__`` none: it names the package's public API."""
+    package = REPO / "metadist"
+    files = {path.stem: [path] for path in package.glob("*.py") if path.stem != "__init__"}
+    files["optim"] = sorted((package / "optim").glob("*.py"))
+    graph: dict[str, set[str]] = {}
+    for module, paths in files.items():
+        targets = set()
+        for path in paths:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    # `from metadist import world` names a module; `from metadist.world import x`
+                    names = [f"{node.module}.{alias.name}" for alias in node.names]
+                else:
+                    names = []  # metadist uses no relative imports
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] == "metadist" and len(parts) > 1 and parts[1] in files:
+                        targets.add(parts[1])
+        graph[module] = targets - {module}
+    return graph
+
+
+def test_metadist_imports_form_no_circle() -> None:
+    graph = import_graph()
+    # A circle makes import order matter and hides which module owns what (issue 40).
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # CycleError names it
+    assert set(order) >= {"environment", "world", "launch", "worker", "api"}
+    # The launcher's variables are read in one module, below the world that answers with them.
+    assert graph["environment"] == set()
+    assert "launch" not in graph["world"]
+    assert {"environment", "world"} <= graph["launch"]
+    # The job-done protocol's key and process threads are world's alone, not re-exported.
+    holders = [p.name for p in (REPO / "metadist").rglob("*.py") if '"<done>"' in p.read_text()]
+    assert holders == ["world.py"]
+    assert not hasattr(launch, "use_process_threads")
+    assert not hasattr(metadist.world, "JOB_DONE")
 
 
 def test_world_info_read_from_environment_at_call_time(clean_env: pytest.MonkeyPatch) -> None:
