@@ -346,6 +346,21 @@ def _abort() -> None:
                 thread.join(left)
 
 
+def _stalled(gone: list[str], grace: float) -> str:
+    """Why torch's graceful shutdown did not end within ``grace`` seconds."""
+    if gone:
+        return f"workers {gone} died after finishing their job; shutdown cannot complete"
+    stalled = f"torch's shutdown still waited {grace:g} s after every worker finished its job"
+    # In a later world, an RRef's delete that torch never sends is what it waits for.
+    later = world.later_world_problem()
+    if later is not None:
+        return f"{stalled}: {later}"
+    return (
+        f"remote calls were still running {grace:g} s after every worker finished its job (a "
+        f"call with timeout=None that never returns?); exiting without waiting for them"
+    )
+
+
 def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
     """Finish the shutdown handshake and RPC; Ctrl-C while waiting for the others aborts."""
     problem = None
@@ -360,13 +375,7 @@ def _shutdown(name: str, grace: float, *, raise_errors: bool) -> None:
         elif not _bounded_shutdown(grace, graceful=True):
             others = [rank for rank in range(info.world_size) if rank != info.world_rank]
             gone = _unreachable(others, timeout=5.0)
-            problem = (
-                f"workers {gone} died after finishing their job; shutdown cannot complete"
-                if gone
-                else f"remote calls were still running {grace:g} s after every worker "
-                f"finished its job (a call with timeout=None that never returns?); "
-                f"exiting without waiting for them"
-            )
+            problem = _stalled(gone, grace)
     except Exception as error:
         problem = f"shutdown failed: {error}"
         with contextlib.suppress(Exception):

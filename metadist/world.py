@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import queue
 import threading
@@ -26,6 +27,7 @@ __all__ = [
     "arrived_members",
     "barrier",
     "DEFAULT_TIMEOUT",
+    "check_rref_world",
     "check_timeout",
     "default_worker_name_format",
     "fail_rendezvous",
@@ -41,6 +43,7 @@ __all__ = [
     "get_world_size",
     "in_rpc_world",
     "join_world",
+    "later_world_problem",
     "leave_world",
     "not_on_rank",
     "on_rank",
@@ -66,10 +69,17 @@ _NOT_INITIALIZED = (
 
 
 # The running world
+
+# Counts the RPC worlds of this process as metadist meets them (its own, or one the program
+# started): torch's RRef bookkeeping serves only the first (check_rref_world).
+_WORLD_COUNT = itertools.count(1)
+
+
 class _Runtime:
     """What metadist knows about one running RPC world; a new world gets a new one (its token)."""
 
     def __init__(self, info: WorldInfo, default_timeout: float, names: tuple[str, ...]) -> None:
+        self.ordinal = next(_WORLD_COUNT)  # 1: the first world of this process
         self.info = info
         self.default_timeout = default_timeout
         self.names = names  # in rank order; empty until join_world has gathered them
@@ -219,6 +229,33 @@ def world_token() -> object:
 def require_rpc(api_name: str) -> None:
     """Raise the standard ``RuntimeError``, naming ``api_name``, if no RPC world is running."""
     _runtime(api_name)
+
+
+def later_world_problem() -> str | None:
+    """Why RRefs fail in the running world, if it is not this process's first; else ``None``.
+
+    torch's RRef bookkeeping (its ``RRefContext``) is one per process: the first world's
+    shutdown ends it, and a later world never sends an RRef's delete to its owner, so that
+    world's graceful shutdown waits for the delete until it gives up.
+    """
+    runtime = _current_runtime()
+    if runtime is None or runtime.ordinal == 1:
+        return None
+    return (
+        f"this is RPC world {runtime.ordinal} in this process, and torch's RRef bookkeeping "
+        f"(RRefContext) is process-wide and ended with the first world's shutdown: an RRef "
+        f"used in a later world (torch.distributed.rpc.remote, or an RRef sent in a call) is "
+        f"never released, and shutdown waits for it in vain. Run one RPC world per process: "
+        f"run the job once per process, or launch a new process for each run"
+    )
+
+
+def check_rref_world(api: str) -> None:
+    """Refuse an RRef in a later RPC world of this process (:func:`later_world_problem`),
+    before anything is sent: ``RuntimeError`` naming ``api``."""
+    problem = later_world_problem()
+    if problem is not None:
+        raise RuntimeError(f"{api} cannot send an RRef: {problem}")
 
 
 # Who am I, who are the others
