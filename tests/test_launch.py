@@ -1,4 +1,5 @@
-"""metadist.launch: how a process joins a world, from the launcher's environment to shutdown.
+"""metadist.environment and metadist.launch: how a process joins a world, from the launcher's
+environment to shutdown.
 
 Launcher environments (torchrun, ``srun``, ``mpirun``, plain python), the master's address, the
 interface and rendezvous a launch chooses, process tuning and the entry decorator's arguments.
