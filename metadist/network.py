@@ -199,6 +199,12 @@ def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, 
     yield store, rank, world_size
 
 
+# The ports this process's rendezvous stores listened on: torch keeps the first RPC world's
+# store open until the process exits (its process-wide RRef bookkeeping holds that world's
+# agent), so a later world cannot listen there again.
+_SERVED_PORTS: set[int] = set()
+
+
 def _serve_store(port: int, world_size: int, timeout: float, name: str) -> TCPStore:
     # Rank 0 hands the store its own listening socket (create_server sets SO_REUSEADDR).
     try:
@@ -206,6 +212,14 @@ def _serve_store(port: int, world_size: int, timeout: float, name: str) -> TCPSt
     except OSError as error:
         if error.errno != errno.EADDRINUSE:
             raise
+        if port in _SERVED_PORTS:
+            raise OSError(
+                errno.EADDRINUSE,
+                f"{name} served the rendezvous of an earlier RPC world in this process and is "
+                f"still taken (torch keeps the first world's store open until the process "
+                f"exits), so this later world cannot listen there. Run one RPC world per "
+                f"process, or give each later world its own MASTER_PORT, the same on every rank",
+            ) from None
         raise OSError(
             errno.EADDRINUSE,
             f"{name} is taken: another process already listens on port {port} of this machine "
@@ -214,7 +228,7 @@ def _serve_store(port: int, world_size: int, timeout: float, name: str) -> TCPSt
             f":{port}` shows who holds this one), or launch with `torchrun --standalone`, which "
             f"picks one",
         ) from None
-    return TCPStore(
+    store = TCPStore(
         "127.0.0.1",
         port,
         world_size,
@@ -222,6 +236,8 @@ def _serve_store(port: int, world_size: int, timeout: float, name: str) -> TCPSt
         datetime.timedelta(seconds=timeout),
         master_listen_fd=fd,
     )
+    _SERVED_PORTS.add(port)
+    return store
 
 
 def _join_store(port: int, world_size: int, timeout: float, name: str) -> TCPStore:

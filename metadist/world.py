@@ -5,29 +5,33 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from metadist.environment import WorldInfo, default_worker_name_format, read_launch_environment
 from metadist.errors import is_connection_lost, is_timeout, worker_gone
 
 __all__ = [
     "FAILURE",
-    "JOB_DONE",
     "WorldInfo",
+    "announce_job_done",
     "arrive_async",
     "arrived_members",
     "barrier",
     "DEFAULT_TIMEOUT",
+    "check_rref_world",
     "check_timeout",
     "default_worker_name_format",
     "fail_rendezvous",
+    "finished_ranks",
     "get_local_rank",
     "get_local_world_size",
     "get_rank",
@@ -39,6 +43,7 @@ __all__ = [
     "get_world_size",
     "in_rpc_world",
     "join_world",
+    "later_world_problem",
     "leave_world",
     "not_on_rank",
     "on_rank",
@@ -63,55 +68,18 @@ _NOT_INITIALIZED = (
 )
 
 
-class WorldInfo(NamedTuple):
-    """Ranks and sizes of this worker; a named tuple, as in TorchOpt (it unpacks).
-
-    Attributes:
-        world_rank: Global rank of this worker, in ``[0, world_size)``.
-        world_size: Number of workers in the job.
-        local_rank: Rank of this worker on its node, in ``[0, local_world_size)``.
-        local_world_size: Number of workers on this node.
-    """
-
-    world_rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-    @property
-    def rank(self) -> int:
-        """Alias of :attr:`world_rank`."""
-        return self.world_rank
-
-    @property
-    def worker_name(self) -> str:
-        """The default name of this worker; :func:`get_worker_name` gives the running world's."""
-        return default_worker_name_format(*self)
-
-
-def default_worker_name_format(
-    world_rank: int, world_size: int, local_rank: int, local_world_size: int
-) -> str:
-    """Name workers ``worker0 … workerN-1``, zero-padded as in TorchOpt (``worker03`` of 12).
-
-    Args:
-        world_rank: Global rank of the worker.
-        world_size: Number of workers.
-        local_rank: Unused; part of the name-format signature.
-        local_world_size: Unused; part of the name-format signature.
-
-    Returns:
-        The worker name.
-    """
-    del local_rank, local_world_size
-    return f"worker{world_rank:0{len(str(world_size))}d}"
-
-
 # The running world
+
+# Counts the RPC worlds of this process as metadist meets them (its own, or one the program
+# started): torch's RRef bookkeeping serves only the first (check_rref_world).
+_WORLD_COUNT = itertools.count(1)
+
+
 class _Runtime:
     """What metadist knows about one running RPC world; a new world gets a new one (its token)."""
 
     def __init__(self, info: WorldInfo, default_timeout: float, names: tuple[str, ...]) -> None:
+        self.ordinal = next(_WORLD_COUNT)  # 1: the first world of this process
         self.info = info
         self.default_timeout = default_timeout
         self.names = names  # in rank order; empty until join_world has gathered them
@@ -144,8 +112,6 @@ def _adopted_runtime() -> _Runtime | None:
         return None
     if _ADOPTED is not None and _ADOPTED[0] is agent:
         return _ADOPTED[1]
-    from metadist.launch import read_launch_environment
-
     with _ADOPT_LOCK:
         if _ADOPTED is not None and _ADOPTED[0] is agent:
             return _ADOPTED[1]
@@ -265,6 +231,33 @@ def require_rpc(api_name: str) -> None:
     _runtime(api_name)
 
 
+def later_world_problem() -> str | None:
+    """Why RRefs fail in the running world, if it is not this process's first; else ``None``.
+
+    torch's RRef bookkeeping (its ``RRefContext``) is one per process: the first world's
+    shutdown ends it, and a later world never sends an RRef's delete to its owner, so that
+    world's graceful shutdown waits for the delete until it gives up.
+    """
+    runtime = _current_runtime()
+    if runtime is None or runtime.ordinal == 1:
+        return None
+    return (
+        f"this is RPC world {runtime.ordinal} in this process, and torch's RRef bookkeeping "
+        f"(RRefContext) is process-wide and ended with the first world's shutdown: an RRef "
+        f"used in a later world (torch.distributed.rpc.remote, or an RRef sent in a call) is "
+        f"never released, and shutdown waits for it in vain. Run one RPC world per process: "
+        f"run the job once per process, or launch a new process for each run"
+    )
+
+
+def check_rref_world(api: str) -> None:
+    """Refuse an RRef in a later RPC world of this process (:func:`later_world_problem`),
+    before anything is sent: ``RuntimeError`` naming ``api``."""
+    problem = later_world_problem()
+    if problem is not None:
+        raise RuntimeError(f"{api} cannot send an RRef: {problem}")
+
+
 # Who am I, who are the others
 def get_world_info() -> WorldInfo:
     """Return this worker's ranks and sizes: the running world's, else the launcher's.
@@ -275,8 +268,6 @@ def get_world_info() -> WorldInfo:
     runtime = _current_runtime()
     if runtime is not None:
         return runtime.info
-    from metadist.launch import read_launch_environment
-
     return read_launch_environment().info
 
 
@@ -406,8 +397,6 @@ _PENDING_LOCK = threading.Lock()
 _FAILED: dict[tuple[Any, ...], str] = {}
 #: The key under which a failed rendezvous' result holds the reason (no member is a tuple).
 FAILURE = ("<failed>",)
-#: The rendezvous at rank 0 where every worker announces that its job is done (metadist.launch).
-JOB_DONE = ("<done>",)
 
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]
@@ -541,7 +530,7 @@ def _watch_barrier(
     arrivals: queue.SimpleQueue[Any] = queue.SimpleQueue()
     future.add_done_callback(arrivals.put)
     pings: dict[str, Future[Any]] = {}
-    done_query: Future[frozenset[Any]] | None = None
+    done_query: Future[frozenset[int]] | None = None
     while True:
         try:
             arrivals.get(timeout=BARRIER_CHECK_S)  # interruptible by Ctrl-C, as _wait
@@ -563,9 +552,9 @@ def _watch_barrier(
                     if is_connection_lost(error):
                         gone = worker_gone(name, runtime.names.index(name))
                         reasons[name] = f"{gone}, so it never arrives ({error})"
-        # Who finished the job is known at rank 0, where every worker announces it (launch).
+        # Who finished the job is known at rank 0, where every worker announces it.
         if done_query is None:
-            done_query = _finished_ranks()
+            done_query = _finished_ranks_async()
         elif done_query.done():
             with contextlib.suppress(Exception):  # rank 0 gone: its own connection says so
                 finished = {runtime.names[rank] for rank in done_query.wait()}
@@ -580,13 +569,31 @@ def _watch_barrier(
             return
 
 
-def _finished_ranks() -> Future[frozenset[Any]]:
-    """The ranks that finished their job, from the rendezvous that rank 0 holds."""
+# The job-done protocol: every worker announces at rank 0 that its job is done (auto_init_rpc's
+# shutdown waits there for all of them), and a barrier's coordinator asks rank 0 who finished:
+# a member that finished its job never arrives. Only these functions touch its key.
+_JOB_DONE = ("<done>",)
+
+
+def announce_job_done() -> Future[dict[Any, Any]]:
+    """Announce at rank 0 that this worker's job is done: a future completed once every worker
+    has (no time limit: the others' jobs take as long as they take)."""
+    info = _runtime("metadist.world.announce_job_done").info
+    return arrive_async(_JOB_DONE, info.world_rank, expected=info.world_size, timeout=0)
+
+
+def finished_ranks() -> frozenset[int]:
+    """On rank 0: the ranks that announced their job done, while some have not (then empty)."""
+    return arrived_members(_JOB_DONE)
+
+
+def _finished_ranks_async() -> Future[frozenset[int]]:
+    """:func:`finished_ranks`, asked of rank 0 from any rank."""
     if get_world_rank() == 0:
-        done: Future[frozenset[Any]] = Future()
-        done.set_result(arrived_members(JOB_DONE))
+        done: Future[frozenset[int]] = Future()
+        done.set_result(finished_ranks())
         return done
-    return rpc.rpc_async(0, arrived_members, args=(JOB_DONE,), timeout=_PING_S)
+    return rpc.rpc_async(0, finished_ranks, timeout=_PING_S)
 
 
 def wait_all(futures: Iterable[Future[Any]]) -> None:

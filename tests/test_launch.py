@@ -1,4 +1,5 @@
-"""metadist.launch: how a process joins a world, from the launcher's environment to shutdown.
+"""metadist.environment and metadist.launch: how a process joins a world, from the launcher's
+environment to shutdown.
 
 Launcher environments (torchrun, ``srun``, ``mpirun``, plain python), the master's address, the
 interface and rendezvous a launch chooses, process tuning and the entry decorator's arguments.
@@ -23,14 +24,14 @@ from hypothesis import strategies as st
 
 import metadist
 from metadist import network
-from metadist.launch import (
+from metadist.environment import (
     SLURM_PORT_BASE,
-    _listener_and_rendezvous,
     expand_hostlist,
     master_address,
     read_launch_environment,
     tasks_per_node,
 )
+from metadist.launch import _listener_and_rendezvous
 
 SCRIPT = REPO / "tests" / "scripts" / "multinode_worker.py"
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "TP_SOCKET", "GLOO_SOCKET", "TORCHELASTIC_")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -14,7 +17,9 @@ from _bad_input import Row, double, table_test
 from _dist import REPO, non_loopback_listeners, run_command, run_torchrun, run_world
 
 import metadist
-from metadist.world import default_worker_name_format
+from metadist import launch
+from metadist.environment import default_worker_name_format
+from metadist.network import free_loopback_port
 
 TORCHRUN_ENV = (
     "RANK",
@@ -37,6 +42,48 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 # ---------------------------------------------------------------------------------------------
 # In-process: no RPC needed
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Which metadist modules each one imports, anywhere in it (functions too), from the source;
+    ``optim`` (a package) is one node, ``__init__`` none: it names the package's public API."""
+    package = REPO / "metadist"
+    files = {path.stem: [path] for path in package.glob("*.py") if path.stem != "__init__"}
+    files["optim"] = sorted((package / "optim").glob("*.py"))
+    graph: dict[str, set[str]] = {}
+    for module, paths in files.items():
+        targets = set()
+        for path in paths:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    # `from metadist import world` names a module; `from metadist.world import x`
+                    names = [f"{node.module}.{alias.name}" for alias in node.names]
+                else:
+                    names = []  # metadist uses no relative imports
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] == "metadist" and len(parts) > 1 and parts[1] in files:
+                        targets.add(parts[1])
+        graph[module] = targets - {module}
+    return graph
+
+
+def test_metadist_imports_form_no_circle() -> None:
+    graph = import_graph()
+    # A circle makes import order matter and hides which module owns what (issue 40).
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # CycleError names it
+    assert set(order) >= {"environment", "world", "launch", "worker", "api"}
+    # The launcher's variables are read in one module, below the world that answers with them.
+    assert graph["environment"] == set()
+    assert "launch" not in graph["world"]
+    assert {"environment", "world"} <= graph["launch"]
+    # The job-done protocol's key and process threads are world's alone, not re-exported.
+    holders = [p.name for p in (REPO / "metadist").rglob("*.py") if '"<done>"' in p.read_text()]
+    assert holders == ["world.py"]
+    assert not hasattr(launch, "use_process_threads")
+    assert not hasattr(metadist.world, "JOB_DONE")
 
 
 def test_world_info_read_from_environment_at_call_time(clean_env: pytest.MonkeyPatch) -> None:
@@ -431,6 +478,108 @@ def test_readme_quickstart_under_torchrun(tmp_path: os.PathLike[str]) -> None:
     alone = run_command([sys.executable, script], timeout=100)
     assert alone.returncode == 0, alone.stderr
     assert re.search(r"^mean loss \S+ on 1 worker$", alone.stdout, re.M), alone.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Later worlds in one process: each process of a job of 2 starts several worlds in turn
+# (tests/scripts/second_world.py). torch's RRef bookkeeping ends with the first world's
+# shutdown, so a later world refuses RRefs by name or, for the program's own rpc.remote, its
+# shutdown names that cause.
+
+SECOND_WORLD = REPO / "tests" / "scripts" / "second_world.py"
+
+
+def _run_worlds(mode: str) -> list[str]:
+    """``second_world.py mode`` on 2 ranks launched by hand: each rank's output."""
+    ports: set[int] = set()
+    while len(ports) < 3:  # one port per world: rank 0's store keeps its world's
+        ports.add(free_loopback_port())
+    processes = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "PORTS": ",".join(map(str, sorted(ports))),
+            "PYTHONUNBUFFERED": "1",
+        }
+        command = [sys.executable, str(SECOND_WORLD), mode]
+        processes.append(
+            subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
+        )
+    try:
+        return [process.communicate(timeout=100)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait(5)
+
+
+def _line(output: str, prefix: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, f"one line {prefix!r} expected in:\n{output}"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def user_worlds() -> list[str]:
+    return _run_worlds("user")
+
+
+@pytest.mark.timeout(150)
+def test_first_world_uses_rrefs(user_worlds: list[str]) -> None:
+    assert _line(user_worlds[0], "CHECK world1_rrefs_work") == "CHECK world1_rrefs_work ok"
+    for output in user_worlds:
+        assert _line(output, "WORLD 1 ").startswith("WORLD 1 ok"), output
+
+
+@pytest.mark.timeout(150)
+def test_later_world_without_rrefs_runs(user_worlds: list[str]) -> None:
+    assert _line(user_worlds[0], "CHECK world2_plain") == "CHECK world2_plain_calls_work ok"
+    for output in user_worlds:
+        assert _line(output, "WORLD 2 ").startswith("WORLD 2 ok"), output
+
+
+@pytest.mark.timeout(150)
+def test_later_world_refuses_rrefs_naming_the_cause(user_worlds: list[str]) -> None:
+    assert _line(user_worlds[0], "CHECK world2_check") == "CHECK world2_check_refuses ok"
+
+
+@pytest.mark.timeout(150)
+def test_later_world_on_an_earlier_worlds_port_says_so(user_worlds: list[str]) -> None:
+    assert _line(user_worlds[0], "CHECK reused_port") == "CHECK reused_port ok"
+
+
+@pytest.mark.timeout(150)
+def test_later_world_rpc_remote_shutdown_names_the_cause(user_worlds: list[str]) -> None:
+    # The program's own rpc.remote, which metadist cannot see: the RRef works, and shutdown,
+    # bounded by shutdown_timeout (5 s), then names the cause rather than a hung call.
+    assert _line(user_worlds[0], "CHECK world3_user_rref") == "CHECK world3_user_rref ok"
+    for rank, output in enumerate(user_worlds):
+        line = _line(output, "WORLD 3 ")
+        assert line.startswith(f"WORLD 3 FAIL RuntimeError: RPC shutdown on worker 'worker{rank}'")
+        assert "shutdown still waited 5 s after every worker finished its job" in line
+        assert "this is RPC world 3 in this process" in line
+        assert "(RRefContext) is process-wide" in line
+        assert "timeout=None" not in line
+        took = re.fullmatch(r".*\((\S+) s\)", line)
+        assert took is not None, line
+        assert float(took[1]) < 15, line
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.xfail(
+    strict=True, reason="api.py must call world.check_rref_world for RRef arguments (issue 40)"
+)
+def test_later_world_refuses_a_metadist_call_with_an_rref() -> None:
+    outputs = _run_worlds("metadist")
+    refused = _line(outputs[0], "CHECK world2_metadist")
+    assert refused == "CHECK world2_metadist_rref_call_refused ok", outputs[0]
+    for output in outputs:  # refused before it was sent: nothing for shutdown to wait for
+        assert _line(output, "WORLD 2 ").startswith("WORLD 2 ok"), output
 
 
 # ---------------------------------------------------------------------------------------------
