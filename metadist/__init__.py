@@ -1,10 +1,11 @@
 """metadist: meta-learning and model-parallel PyTorch across processes with a few decorators.
 
 A layer over ``torch.distributed.rpc`` and distributed autograd named after
-``torchopt.distributed``. Data flows :mod:`~metadist.launch` → :mod:`~metadist.world` →
-:mod:`~metadist.partition` → :mod:`~metadist.api` (:mod:`~metadist.transport`,
-:mod:`~metadist.messages`, :mod:`~metadist.worker`) → :mod:`~metadist.reduce` →
-:mod:`~metadist.link` → :mod:`~metadist.autograd` → :mod:`~metadist.optim`.
+``torchopt.distributed``. Data flows :mod:`~metadist.environment` → :mod:`~metadist.launch` →
+:mod:`~metadist.world` → :mod:`~metadist.partition` → :mod:`~metadist.api`
+(:mod:`~metadist.transport`, :mod:`~metadist.messages`, :mod:`~metadist.worker`) →
+:mod:`~metadist.reduce` → :mod:`~metadist.link` → :mod:`~metadist.autograd` →
+:mod:`~metadist.optim`.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from metadist.api import (
     remote_async_call,
     remote_sync_call,
 )
+from metadist.environment import WorldInfo, default_worker_name_format
 from metadist.errors import RemoteError
-from metadist.launch import auto_init_rpc, default_worker_name_format
+from metadist.launch import auto_init_rpc
 from metadist.partition import DimPartitioner, Partitions, batch_partitioner, dim_partitioner
 from metadist.reduce import PartitionResults, cat_reducer, mean_reducer, stack_reducer, sum_reducer
 from metadist.transport import clear_module_cache, invalidate_module_cache
 from metadist.world import (
     DEFAULT_TIMEOUT,
-    WorldInfo,
     barrier,
     get_local_rank,
     get_local_world_size,

@@ -518,8 +518,11 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
     """Encode every partition that may travel before sending anything (bad input fails with no
     RPC sent), noting their arguments that require grad in the call's gradient link."""
     call.world_token = world.world_token()
+    holds_rref = any(_holds_rref(call.parts[i][1:]) for i in remote)
+    if holds_rref:  # torch's RRef bookkeeping ends with a process's first world
+        world.check_rref_world(f"metadist's call of {call.func_name}")
     # Only a call that hands RRefs to a partition inside a context needs torch's engine.
-    attached = call.in_context and any(_holds_rref(call.parts[i][1:]) for i in remote)
+    attached = call.in_context and holds_rref
     gradients = link.Link(
         call.world_token, call.compression, get_worker_id(call.own) << 40, call.timeout
     )

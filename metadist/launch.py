@@ -31,8 +31,7 @@ from metadist.environment import (
 )
 from metadist.errors import is_timeout
 
-# default_worker_name_format is auto_init_rpc's default, owned by metadist.environment.
-__all__ = ["auto_init_rpc", "default_worker_name_format"]
+__all__ = ["auto_init_rpc"]
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -153,7 +153,8 @@ def in_rpc_world() -> bool:
 
 
 class _DefaultTimeout(float):
-    """torch's "unset" timeout (-1.0), shown by name in signatures and error messages."""
+    """The ``timeout`` default of every metadist wait: the running world's RPC timeout (60 s
+    unless configured); see the API reference, "Timeouts". Shown by name in signatures."""
 
     def __repr__(self) -> str:
         return "DEFAULT_TIMEOUT"

@@ -571,9 +571,6 @@ def test_later_world_rpc_remote_shutdown_names_the_cause(user_worlds: list[str])
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(
-    strict=True, reason="api.py must call world.check_rref_world for RRef arguments (issue 40)"
-)
 def test_later_world_refuses_a_metadist_call_with_an_rref() -> None:
     outputs = _run_worlds("metadist")
     refused = _line(outputs[0], "CHECK world2_metadist")
