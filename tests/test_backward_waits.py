@@ -21,9 +21,13 @@ from _dist import REPO
 from metadist.network import free_loopback_port
 
 JOB = """
-import sys, time
+import signal, sys, time
 import torch
 import metadist
+
+# Ctrl-C as in a terminal: a shell runs background jobs with SIGINT ignored, and Python then
+# leaves it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Sleepy(torch.autograd.Function):
