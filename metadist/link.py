@@ -436,7 +436,9 @@ class Link:
                     with torch.no_grad():
                         source.grad = g if source.grad is None else source.grad + g
             else:
-                mine = source.grad is not start.grad or not torch.equal(source.grad, start.copy)
+                mine = source.grad is not start.grad or not transport.unchanged(
+                    source.grad, start.copy
+                )
                 if len(writes) > 1 or mine:
                     writers = [partition for partition, _ in writes]
                     if mine:

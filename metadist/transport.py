@@ -53,6 +53,7 @@ __all__ = [
     "refuse_hidden_grad",
     "resolve_compression",
     "storageless",
+    "unchanged",
     "unwire",
     "unwire_tree",
     "wire",
@@ -162,6 +163,21 @@ def wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> Any:
     if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
         return _Compressed(tensor.to(dtype), tensor.dtype)
     return tensor
+
+
+def unchanged(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether tensor ``now`` holds what its copy ``before`` held: its shape and values (for a
+    meta tensor, which has none, its shape)."""
+    if now.layout != before.layout or now.shape != before.shape or now.dtype != before.dtype:
+        return False
+    if now.is_meta:
+        return True
+    if now.is_sparse:
+        now, before = now.coalesce(), before.coalesce()
+        return torch.equal(now.indices(), before.indices()) and torch.equal(
+            now.values(), before.values()
+        )
+    return torch.equal(now.to_dense(), before.to_dense())
 
 
 def unwire(item: Any) -> Any:

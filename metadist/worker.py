@@ -193,17 +193,10 @@ def _grad_changes(
         now = leaf.grad
         if start is None and now is None:
             continue
-        if start is not None and now is start and _same(now, copy):
+        if start is not None and now is start and transport.unchanged(now, copy):
             continue
         changes.append((k, None if now is None else transport.wire(now.detach(), None)))
     return tuple(changes)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return bool(torch.equal(a, b))
-    except RuntimeError:  # a layout torch.equal does not take (sparse): say changed
-        return False
 
 
 def _reply(

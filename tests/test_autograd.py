@@ -1313,6 +1313,19 @@ def zero_grad_inside_a_partition_is_exact_or_refused(world_size: int) -> None:
     for chunk in x.chunk(3):
         grad_inside(local, chunk)
     same_grads(m, local, "two partitions accumulate")
+    # A .grad the caller had that the partitions leave alone stays, and the call's backward adds
+    # to it: a sparse one (nn.Embedding(sparse=True)) too.
+    emb = nn.Embedding(6, 2, sparse=True)
+    emb_local = copy.deepcopy(emb)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    for module in (emb, emb_local):
+        module(torch.tensor([1, 2])).sum().backward()
+    split = _ModelFirst(_Chunks([1, 2, 0]))
+    torch.stack(
+        md.remote_sync_call(run_module, args=(emb, ids), partitioner=split)
+    ).sum().backward()
+    torch.stack([run_module(emb_local, c) for c in ids.chunk(3)]).sum().backward()
+    assert torch.equal(emb.weight.grad.to_dense(), emb_local.weight.grad.to_dense())  # type: ignore[union-attr]
     # Two partitions that each change a .grad the caller had: refused, naming them, since no
     # order of side-by-side results gives what one after the other does.
     m.weight.grad = torch.ones(1, 3)
