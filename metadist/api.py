@@ -40,7 +40,7 @@ from metadist.errors import (
     worker_gone,
 )
 from metadist.messages import CallerState, Reply, Request
-from metadist.partition import batch_partitioner
+from metadist.partition import DimPartitioner, batch_partitioner
 from metadist.reduce import PartitionResults, check_sizes
 from metadist.world import (
     DEFAULT_TIMEOUT,
@@ -178,6 +178,9 @@ def _partitions(
             raise type(error)(f"partitioner={partitioner!r}: {error}") from None
         return [(names[worker_id], args, kwargs)], None, "static"
     raw = partitioner(*args, **kwargs)
+    if partitioner is batch_partitioner or isinstance(partitioner, DimPartitioner):
+        # metadist's own: worker ids, argument containers and sizes checked where it made them
+        return [(names[w], a, k) for w, a, k in raw], raw.sizes, raw.schedule
     name = getattr(partitioner, "__qualname__", repr(partitioner))
     if not isinstance(raw, (list, tuple)):
         raise TypeError(
@@ -509,9 +512,13 @@ class _Call:
                 raise
         if self.reducer is None:
             return values
-        with contextlib.ExitStack() as stack:
+        results = PartitionResults(values)
+        results.sizes = self.sizes  # checked once, by _partitions
+        if CallerState.here() == self.state:  # the caller's thread, as it usually is
+            return self.reducer(results)
+        with contextlib.ExitStack() as stack:  # an RPC thread, for an asynchronous call
             self.state.enter(stack)
-            return self.reducer(PartitionResults(values, self.sizes))
+            return self.reducer(results)
 
 
 def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:

@@ -416,6 +416,7 @@ def encode(
     if not _needs_encoding(args, dtype, attached) and not _needs_encoding(kwargs, dtype, attached):
         return args, kwargs, False, (), []  # the common fast path: nothing to rewrite
     leaves, rebuild = flatten_arguments(args, kwargs)
+    transforming = _transforming()  # only there are tensors that cannot travel
     new_structures: list[str] = []
     # Each source once, in the order decode makes its leaf: an object in two places of the
     # arguments (f(x, x), a model and its own parameters) is one object on the worker too.
@@ -437,7 +438,8 @@ def encode(
                 new_structures.append(plan.fingerprint)
             leaves[i] = refs[id(leaf)] = _ModuleRef(plan.fingerprint, bytes_, *sent)
         elif isinstance(leaf, torch.Tensor):
-            _refuse(leaf, (args, kwargs, i))
+            if transforming:
+                _refuse(leaf, (args, kwargs, i))
             if leaf.requires_grad and not attached:
                 parameter, hooked = isinstance(leaf, nn.Parameter), bool(leaf._backward_hooks)
                 sent = _sent_tensor(leaf, dtype, memo, attached)
@@ -464,15 +466,17 @@ def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if not _needs_encoding(args, None, True) and not _needs_encoding(kwargs, None, True):
         return
     leaves, _ = flatten_arguments(args, kwargs)
+    transforming = _transforming()  # only there are tensors that cannot travel
     for i, leaf in enumerate(leaves):
         where = (args, kwargs, i)
         if isinstance(leaf, nn.Module):
             structure.plan_for(leaf, functools.partial(_name, where))
-            if _transforming():
+            if transforming:
                 for name, p in leaf.named_parameters():
                     _refuse(p, where, f"parameter {name!r} of module argument")
         elif isinstance(leaf, torch.Tensor):
-            _refuse(leaf, where)
+            if transforming:
+                _refuse(leaf, where)
         elif not is_plain(leaf):
             refuse_hidden_grad(leaf, f"argument {_name(where)}")
 
