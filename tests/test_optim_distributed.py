@@ -38,6 +38,7 @@ from metadist.optim import (
 )
 from metadist.optim.qhm import qhm
 from metadist.optim.scripting import forget, torchscript_status
+from metadist.world import DEFAULT_TIMEOUT
 
 OWNERS = ("worker1", "worker2", "worker0")  # pipeline order; worker0 is the caller
 DIM = 4
@@ -678,8 +679,9 @@ def _check_bad_input(world_size: int) -> None:
         ),
         (
             lambda: DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, timeout=True),
-            ValueError,
-            r"timeout must be a positive number of seconds or None, got True",
+            TypeError,
+            r"DistributedOptimizer: timeout must be a number of seconds, DEFAULT_TIMEOUT or None, "
+            r"got True",
         ),
         (
             lambda: opt.load_state_dict(
@@ -958,7 +960,26 @@ def _check_add_group_on_new_owners(world_size: int) -> None:
         model.assert_matches_local(what=f"groups added on new owners, step {step}")
 
 
+def _check_timeouts(world_size: int) -> None:
+    """metadist's one convention: DEFAULT_TIMEOUT (the default) is the world's RPC timeout, None
+    no limit (0.0, as torch's rpc_async takes it), a number that many seconds; each steps."""
+    model = Model(seed=150)
+    ref = torch.optim.SGD(model.local, lr=0.1)
+    world = rpc.get_rpc_timeout()
+    passed: list[tuple[dict[str, Any], float]] = [({}, world), ({"timeout": DEFAULT_TIMEOUT}, world)]
+    passed += [({"timeout": None}, 0.0), ({"timeout": 30}, 30.0)]
+    for kwargs, seconds in passed:
+        opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, **kwargs)
+        assert opt.timeout == seconds, (kwargs, opt.timeout)
+        assert opt._lock.timeout == seconds
+        x = _inputs(1, seed=151)[0]
+        _dist_step(model, opt, x)
+        _local_step(model, ref, x)
+        model.assert_matches_local(what=f"{kwargs}")
+
+
 SCENARIOS = [
+    _check_timeouts,
     _check_bad_input,
     _check_equivalence,
     _check_accumulation,

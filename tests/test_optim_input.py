@@ -99,7 +99,8 @@ ROWS = [
         ValueError,
         r"backward_passes_per_step",
     ),
-    Row("timeout 0", lambda fx: _opt(fx, fx.rrefs, timeout=0), ValueError, r"timeout"),
+    Row("timeout 0", lambda fx: _opt(fx, fx.rrefs, timeout=0), ValueError, r"between 0.001 and"),
+    Row("timeout 1e4 days", lambda fx: _opt(fx, fx.rrefs, timeout=8.64e8), ValueError, r"timeout"),
     Row("timeout inf", lambda fx: _opt(fx, fx.rrefs, timeout=float("inf")), ValueError, r"timeout"),
     Row(
         "step unknown context",

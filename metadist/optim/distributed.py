@@ -17,7 +17,14 @@ from metadist.autograd import check_context
 from metadist.optim import _local
 from metadist.optim.functional import TUPLE_KEYS, get_functional_optimizer
 from metadist.optim.scripting import torchscript_status
-from metadist.world import get_worker_name, get_worker_names, require_rpc, wait_all
+from metadist.world import (
+    DEFAULT_TIMEOUT,
+    get_worker_name,
+    get_worker_names,
+    require_rpc,
+    resolve_timeout,
+    wait_all,
+)
 
 __all__ = ["DistributedGradScaler", "DistributedOptimizer", "clip_grad_norm_"]
 
@@ -100,7 +107,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         mode: ``"auto"``, ``"eager"``, ``"scripted"``, or ``{worker name or rank: mode}``.
         backward_passes_per_step: Accumulate this many contexts' gradients per update.
         average_accumulated: Divide the accumulated gradients by ``backward_passes_per_step``.
-        timeout: Seconds per request and owner lock; ``None``: the RPC world's timeout.
+        timeout: Seconds per request and owner lock: :data:`metadist.world.DEFAULT_TIMEOUT`
+            (the RPC world's timeout), ``None`` (no limit) or a number in [0.001, 2147483.647].
         **kwargs: Keyword hyperparameters for ``optimizer_class``.
 
     Raises:
@@ -118,7 +126,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         mode: str | Mapping[str | int, str] = "auto",
         backward_passes_per_step: int = 1,
         average_accumulated: bool = True,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         require_rpc("DistributedOptimizer")
@@ -135,16 +143,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _check("backward_passes_per_step", n, is_number(n, int) and n >= 1, "an int >= 1")
         ok = isinstance(average_accumulated, bool)
         _check("average_accumulated", average_accumulated, ok, "a bool", TypeError)
-        ok = timeout is None or _positive(timeout)
-        _check("timeout", timeout, ok, "a positive number of seconds or None")
-        timeout = rpc.get_rpc_timeout() if timeout is None else timeout  # type: ignore[attr-defined]
+        seconds = resolve_timeout(timeout, "metadist.optim.DistributedOptimizer")  # 0.0: no limit
         self._modes = _resolve_modes(mode, get_worker_names())
         if "scripted" in self._modes.values():
             no_twin = f"{cls.__name__} has no functional twin (see register_functional_optimizer)"
             works, why = torchscript_status(functional) if functional else (False, no_twin)
             if not works:
                 raise RuntimeError(f"mode='scripted': {why}")
-        self.optimizer_class, self._functional, self.timeout = cls, functional, float(timeout)
+        self.optimizer_class, self._functional, self.timeout = cls, functional, seconds
         self.backward_passes_per_step, self.average_accumulated = n, average_accumulated
         self._spec = _local.Spec(cls, functional, "", n, average_accumulated, self.timeout)
         self.params_rref: list[rpc.RRef[Tensor]] = []  # every group's, in order
