@@ -966,7 +966,10 @@ def _check_timeouts(world_size: int) -> None:
     model = Model(seed=150)
     ref = torch.optim.SGD(model.local, lr=0.1)
     world = rpc.get_rpc_timeout()
-    passed: list[tuple[dict[str, Any], float]] = [({}, world), ({"timeout": DEFAULT_TIMEOUT}, world)]
+    passed: list[tuple[dict[str, Any], float]] = [
+        ({}, world),
+        ({"timeout": DEFAULT_TIMEOUT}, world),
+    ]
     passed += [({"timeout": None}, 0.0), ({"timeout": 30}, 30.0)]
     for kwargs, seconds in passed:
         opt = DistributedOptimizer(torch.optim.SGD, model.rrefs, lr=0.1, **kwargs)

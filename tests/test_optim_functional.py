@@ -371,6 +371,83 @@ def test_import_does_not_script() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_eager_optimizers_import_no_compiler() -> None:
+    """Making and stepping every functional class, and checking hyperparameters as torch.optim
+    does, import neither torch._dynamo (torch's Optimizer.add_param_group does on its first call)
+    nor torch.distributed.optim (FSDP and DTensor): 1-3 s of CPU in every owner's first step."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "import metadist.optim as mo\n"
+        "from metadist.optim.functional import checked_group\n"
+        "before = set(sys.modules)\n"
+        "for cls in (mo.FunctionalSGD, mo.FunctionalAdam, mo.FunctionalAdamW, mo.FunctionalAdagrad,\n"
+        "            mo.FunctionalRMSprop, mo.FunctionalAdamax, mo.FunctionalAdadelta,\n"
+        "            mo.FunctionalRprop):\n"
+        "    fused = ({}, {'fused': True}) if 'fused' in cls.__dataclass_fields__ else ({},)\n"
+        "    for kwargs in fused:\n"
+        "        p = [torch.ones(3), torch.ones(2)]\n"
+        "        cls(p, **kwargs).step([torch.ones(3), None])\n"
+        "mo.FunctionalQHM([torch.ones(3)], lr=0.1, momentum=0.9, nu=0.7).step([torch.ones(3)])\n"
+        "assert checked_group(torch.optim.Adam, lr=0.1, fused=True)['lr'] == 0.1\n"
+        "new = set(sys.modules) - before\n"
+        "bad = sorted(m for m in new if m.startswith(('torch._dynamo', 'torch.distributed.optim',\n"
+        "    'torch.distributed.fsdp', 'torch.distributed.tensor')))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("torch_class", "functional_class", "kwargs"),
+    [
+        (torch.optim.Adam, FunctionalAdam, {"lr": 0.01, "amsgrad": True}),
+        (torch.optim.AdamW, FunctionalAdamW, {"lr": 0.01}),
+    ],
+)
+def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[str, Any]) -> None:
+    """Fused Adam over many small parameters steps them as one flat buffer: same results and
+    state as torch.optim, a per-tensor fallback for partial steps, and a fresh start on load."""
+    gen = torch.Generator().manual_seed(5)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    ref_params = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = torch_class(ref_params, fused=True, **kwargs)
+    params = [t.clone() for t in init]
+    optim = functional_class(params, fused=True, **kwargs)
+    plan: list[list[torch.Tensor | None]] = [
+        [torch.randn(s, generator=gen) for s in SHAPES] for _ in range(12)
+    ]
+    plan[6][1] = plan[6][3] = None  # one partial step, taken per tensor
+    flat = []
+    for grads in plan:
+        for p, g in zip(ref_params, grads, strict=True):
+            p.grad = g
+        ref.step()
+        optim.step(list(grads))
+        flat.append(optim._flat is not None)
+    # The first step creates the state; a partial step drops the flat buffers, and as the
+    # parameters' step counts then differ, the rest goes per tensor.
+    assert flat == [False] + [True] * 5 + [False] * 6, flat
+    for mine, theirs in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
+    for p, ref_p in zip(params, ref_params, strict=True):
+        assert set(optim.state.get(p, {})) == set(ref.state.get(ref_p, {}))
+        for key, value in ref.state.get(ref_p, {}).items():
+            torch.testing.assert_close(optim.state[p][key], value, atol=1e-6, rtol=1e-6)
+    # Assigning a state (a load) drops the flat buffers; stepping adopts the new state.
+    optim.state = {p: {k: v.clone() for k, v in s.items()} for p, s in optim.state.items()}
+    for entry in optim.state.values():  # equal counts again: the state can be stepped flat
+        entry["step"] = torch.tensor(12.0)
+    assert optim._flat is None
+    full = [torch.ones(s) for s in SHAPES]
+    before = [p.clone() for p in params]
+    optim.step(full)
+    assert optim._flat is not None
+    assert all(not torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
 class _UserSGD(torch.optim.SGD):
     """A user's optimizer class whose functional twin takes no foreach/fused."""
 

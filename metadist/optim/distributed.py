@@ -15,7 +15,7 @@ from torch import Tensor
 
 from metadist.autograd import check_context
 from metadist.optim import _local
-from metadist.optim.functional import TUPLE_KEYS, get_functional_optimizer
+from metadist.optim.functional import TUPLE_KEYS, checked_group, get_functional_optimizer
 from metadist.optim.scripting import torchscript_status
 from metadist.world import (
     DEFAULT_TIMEOUT,
@@ -527,8 +527,7 @@ def _param_group(
             bound.apply_defaults()
             group = {k: v for k, v in bound.arguments.items() if k != "params"}
         else:
-            probe = cls([torch.zeros(1, requires_grad=True)], *args, **kwargs)
-            group = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+            group = checked_group(cls, *args, **kwargs)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{cls.__name__} rejected args={args!r} kwargs={kwargs!r}: {exc}") from exc
     for flag in ("capturable", "differentiable"):

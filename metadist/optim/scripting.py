@@ -4,7 +4,9 @@ GIL), where this torch can: :func:`torchscript_status` says (``docs/optim.md``).
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from torch import Tensor
 
 from metadist._quiet import quiet_torch_warnings
 from metadist.optim.functional import FunctionalOptimizer, FunctionalQHM, FunctionalSGD
+from metadist.optim.qhm import QHM, QHMTwin
 
 __all__ = ["ScriptedFunctionalOptimizer", "script_functional_optimizer", "torchscript_status"]
 
@@ -123,6 +126,30 @@ class ScriptedFunctionalOptimizer(torch.nn.Module):
         self.optim.defaults = defaults
 
 
+def _twin(optim: FunctionalOptimizer) -> Any:
+    """The TorchScript-compatible twin of one of metadist's functional optimizers, holding its
+    parameters, state and hyperparameters: ``torch.distributed.optim``'s, whose import scripts
+    classes and brings FSDP and DTensor in (about a second), hence here and not in eager steps;
+    :class:`QHMTwin` for QHM."""
+    with quiet_torch_warnings():
+        from torch.distributed.optim.utils import functional_optim_map
+
+    hyper = optim.hyperparameters()
+    twins = {**functional_optim_map, QHM: QHMTwin}
+    twin = twins[torch.optim.AdamW if hyper.get("decoupled_weight_decay") else optim.torch_class]
+    accepted = inspect.signature(twin).parameters
+    given = {**hyper, "_allow_empty_param_list": True}
+    kwargs = {k: False if v is None else v for k, v in given.items() if k in accepted}
+    # The twins warn at construction that TorchScript is deprecated, under "always": only
+    # recording the warning drops it.
+    with warnings.catch_warnings(record=True):
+        held = twin(optim.params, **kwargs)
+    # Floats only (an int lr too): TorchScript types the dict by its values.
+    held.defaults = {k: float(optim.defaults.get(k, v)) for k, v in held.defaults.items()}
+    held.state = optim.state
+    return held
+
+
 def script_functional_optimizer(optim: Any) -> Any:
     """Compile ``optim`` (a functional optimizer instance) with TorchScript.
 
@@ -160,7 +187,7 @@ def script_functional_optimizer(optim: Any) -> Any:
                 f"{flag}=False to script it"
             )
     cls: Any = type(optim)
-    held = optim.optim if isinstance(optim, FunctionalOptimizer) else optim  # torch's, for ours
+    held = _twin(optim) if isinstance(optim, FunctionalOptimizer) else optim
     problem = _failed.get(cls)
     if problem is None and not callable(getattr(torch.jit, "script", None)):
         problem = f"torch {torch.__version__} has no torch.jit.script"
