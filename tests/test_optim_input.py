@@ -82,10 +82,10 @@ ROWS = [
         r"mode.*'ghost'",
     ),
     Row(
-        "mode scripted without a twin",
+        "mode scripted (removed)",
         lambda fx: _opt(fx, fx.rrefs, cls=torch.optim.NAdam, mode={"worker1": "scripted"}),
-        RuntimeError,
-        r"mode='scripted': NAdam has no functional twin",
+        ValueError,
+        r"mode\['worker1'\] must be one of .*TorchScript's 'scripted' is gone",
     ),
     Row(
         "backward_passes_per_step 0",

@@ -1,5 +1,3 @@
-# collect, lazy and keep also run under TorchScript (a user's twin may call them): no zip(strict=).
-# ruff: noqa: B905
 """Functional optimizers: ``torch.optim``'s algorithms stepped with explicit gradients, one
 per parameter (``None`` leaves a parameter and its state alone), never through ``.grad``.
 
@@ -24,7 +22,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -65,7 +63,7 @@ def flat_hparams(hparams: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def checked_group(cls: type, *args: Any, **kwargs: Any) -> dict[str, Any]:
+def checked_group(cls: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Build the ``torch.optim.Optimizer`` subclass ``cls`` over a probe tensor, so that its
     constructor checks the hyperparameters as torch.optim does, and return its param group
     without ``params``.
@@ -77,91 +75,18 @@ def checked_group(cls: type, *args: Any, **kwargs: Any) -> dict[str, Any]:
     base = torch.optim.Optimizer.add_param_group
     if getattr(cls, "add_param_group", None) is base:  # (a class's own is left alone)
         add = getattr(base, "__wrapped__", base)
-        probe.add_param_group = types.MethodType(add, probe)  # type: ignore[method-assign]
+        probe.add_param_group = types.MethodType(add, probe)
     probe.__init__([torch.zeros(1, requires_grad=True)], *args, **kwargs)
     return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
 
 
-def collect(
-    params: list[Tensor],
-    gradients: list[Tensor | None],
-    state: dict[Tensor, dict[str, Tensor]],
-    names: list[str],
-    fills: list[float],
-    fused: bool,
-) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], bool, bool]:
-    """Parameters that have a gradient, their gradients, one list per state name, and whether
-    any parameter is complex or any gradient sparse. State is created at a parameter's first step
-    as torch.optim creates it (``"step"``: a scalar, float32 on the parameter's device for fused
-    kernels, else on the CPU; others: ``fills[i]`` like ``p``)."""
-    if len(gradients) != len(params):
-        raise ValueError(
-            f"gradients has {len(gradients)} entries, expected one per parameter ({len(params)})"
-        )
-    kept: list[Tensor] = []
-    grads: list[Tensor] = []
-    lists: list[list[Tensor]] = []
-    for _ in names:
-        lists.append(torch.jit.annotate(list[Tensor], []))
-    has_complex = False
-    has_sparse = False
-    for p, g in zip(params, gradients):
-        if g is not None:
-            kept.append(p)
-            grads.append(g)
-            has_complex = has_complex or torch.is_complex(p)
-            has_sparse = has_sparse or g.is_sparse
-            if p not in state:
-                state[p] = torch.jit.annotate(dict[str, Tensor], {})
-            entry = state[p]
-            for i, name in enumerate(names):
-                if name not in entry:
-                    if name != "step":
-                        entry[name] = torch.full_like(p, fills[i])
-                    elif fused:
-                        entry[name] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    else:
-                        entry[name] = torch.tensor(0.0)
-                lists[i].append(entry[name])
-            if len(entry) == 0:  # (SGD without momentum keeps nothing)
-                del state[p]
-    return kept, grads, lists, has_complex, has_sparse
-
-
-def lazy(
-    kept: list[Tensor], state: dict[Tensor, dict[str, Tensor]], name: str
-) -> list[Tensor | None]:
-    """A state list the kernel fills in itself (SGD's momentum buffers): ``None`` where absent."""
-    out: list[Tensor | None] = []
-    for p in kept:
-        out.append(state[p][name] if p in state else None)
-    return out
-
-
-def keep(
-    kept: list[Tensor], bufs: list[Tensor | None], state: dict[Tensor, dict[str, Tensor]], name: str
-) -> None:
-    """Keep the entries of a list the kernel filled in (see :func:`lazy`)."""
-    for p, buf in zip(kept, bufs):
-        if buf is not None:
-            state[p] = {name: buf}
-
-
-class Plan(NamedTuple):
-    """How to call a functional kernel: its state lists by state name, in order (``lazy``: the one
-    it fills in itself, or ``""``), and the names of its other arguments."""
-
-    kernel: Callable[..., None]
-    names: list[str]
-    lazy: str
-    keywords: list[str]
-
-
 @functools.cache
-def plan(kernel: Callable[..., None]) -> Plan:
-    """Read how to call ``kernel`` from its signature: after ``params`` and ``grads`` come its
-    state lists, named after the state torch.optim keeps (``exp_avg_sqs``: ``exp_avg_sq``,
-    ``state_steps``: ``step``, ``momentum_buffer_list``: ``momentum_buffer``)."""
+def plan(kernel: Callable[..., None]) -> tuple[list[str], str, list[str]]:
+    """How to call ``kernel``, read from its signature: after ``params`` and ``grads`` come its
+    state lists, named here after the state torch.optim keeps (``exp_avg_sqs``: ``exp_avg_sq``,
+    ``state_steps``: ``step``, ``momentum_buffer_list``: ``momentum_buffer``), then its other
+    arguments. Returns the state names in order, the one the kernel fills in itself (or ``""``),
+    and the names of the other arguments."""
     names: list[str] = []
     lazy_name = ""
     keywords: list[str] = []
@@ -174,7 +99,7 @@ def plan(kernel: Callable[..., None]) -> Plan:
         names.append(name.removesuffix("_list") if name.endswith("_list") else name[:-1])
         if "None" in annotation or "Optional" in annotation:
             lazy_name = names[-1]
-    return Plan(kernel, names, lazy_name, keywords)
+    return names, lazy_name, keywords
 
 
 # Below this mean element count per parameter, one fused Adam call over flat buffers beats
@@ -192,8 +117,11 @@ class _Flat:
         first = params[0]
         self.param = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
         self.grad = torch.empty_like(self.param)
-        self.param_views = [v.view_as(p) for v, p in zip(self.param.split(sizes), params)]
-        self.grad_views = [v.view_as(p) for v, p in zip(self.grad.split(sizes), params)]
+        views = zip(self.param.split(sizes), self.grad.split(sizes), params, strict=True)
+        self.param_views = [v.view_as(p) for v, _, p in views]
+        self.grad_views = [
+            g.view_as(p) for g, p in zip(self.grad.split(sizes), params, strict=True)
+        ]
         entry: dict[str, Tensor] = {}
         for name in state[first]:
             if name == "step":
@@ -202,7 +130,7 @@ class _Flat:
                     state[p][name] = entry[name]
                 continue
             entry[name] = torch.cat([state[p][name].reshape(-1) for p in params])
-            for p, view in zip(params, entry[name].split(sizes)):
+            for p, view in zip(params, entry[name].split(sizes), strict=True):
                 state[p][name] = view.view_as(p)
         self.state = {self.param: entry}
 
@@ -215,13 +143,6 @@ class _Flat:
         steps = torch.stack([state[p]["step"] for p in params])
         return bool((steps == steps[0]).all())
 
-    @staticmethod
-    def release(state: dict[Tensor, dict[str, Tensor]]) -> None:
-        """Give every parameter its own step counter back (per-tensor kernels advance each)."""
-        for entry in state.values():
-            if "step" in entry:
-                entry["step"] = entry["step"].clone()
-
 
 @dataclasses.dataclass(eq=False, repr=False)
 class FunctionalOptimizer:
@@ -229,7 +150,7 @@ class FunctionalOptimizer:
     arguments (which keep the constructor's values; ``defaults`` holds the ones ``step`` uses)."""
 
     torch_class: ClassVar[type]  # whose constructor checks the hyperparameters
-    kernel: ClassVar[Callable[..., None]]  # torch's functional kernel for it
+    _kernel: ClassVar[Callable[..., None]]  # torch's functional kernel for it
     # State kept only while a flag or hyperparameter is set, and state that starts at a
     # hyperparameter's value rather than at zero.
     switches: ClassVar[dict[str, str]] = {}
@@ -238,19 +159,19 @@ class FunctionalOptimizer:
     params: list[Tensor]
 
     def __post_init__(self) -> None:
-        hyper = self.hyperparameters()
+        hyper = self._hyper()
         checked_group(self.torch_class, **hyper)  # torch.optim's own checks and messages
         self.defaults = flat_hparams(hyper)
         self.flags = {k: bool(v) for k, v in hyper.items() if isinstance(v, bool) or v is None}
         self._strings = {k: v for k, v in hyper.items() if isinstance(v, str)}  # QHM's
         self.state = {}
         if self.upfront:
-            self._collect(self.params, list(self.params), self.state)
+            self._lists(self.params, self.state)
         # Flat stepping pays off for fused Adam/AdamW over many small real tensors of one kind
         # (SGD's update is too cheap to win back the copies).
         kinds = {(p.dtype, p.device, p.layout) for p in self.params}
         self._flattens = (
-            self.kernel in (adam, adamw)
+            self._kernel in (adam, adamw)
             and self.flags.get("fused", False)
             and len(self.params) > 1
             and sum(p.numel() for p in self.params) <= FLAT_MAX_MEAN_NUMEL * len(self.params)
@@ -258,12 +179,7 @@ class FunctionalOptimizer:
             and not any(torch.is_complex(p) for p in self.params)
         )
 
-    def hyperparameters(self) -> dict[str, Any]:
-        """The constructor's arguments but ``params``, by name.
-
-        Returns:
-            ``{name: value}``, as given (or defaulted).
-        """
+    def _hyper(self) -> dict[str, Any]:  # the constructor's arguments but params, by name
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}
 
     @property
@@ -297,8 +213,9 @@ class FunctionalOptimizer:
                     self._run([flat.param], [flat.grad], flat.state)
                     torch._foreach_copy_(self.params, flat.param_views)
                 return
-        if self._flat is not None:
-            _Flat.release(self.state)
+        if self._flat is not None:  # each parameter's own step counter back, for per-tensor steps
+            for entry in self.state.values():
+                entry["step"] = entry["step"].clone()
             self._flat = None
         self._run(self.params, gradients, self.state)
 
@@ -308,28 +225,52 @@ class FunctionalOptimizer:
         switch = self.switches.get(name, "")
         return switch == "" or self.flags.get(switch, False) or self.defaults.get(switch, 0.0) != 0
 
-    def _collect(self, params: list[Tensor], gradients: list[Tensor | None], state: Any) -> Any:
-        """:func:`collect` for the state this optimizer keeps now; with the names of its lists."""
-        kernel_plan = plan(self.kernel)
-        names = [n for n in kernel_plan.names if n != kernel_plan.lazy and self._keeps(n)]
-        fills = [self.defaults[self.fills[n]] if n in self.fills else 0.0 for n in names]
+    def _lists(self, kept: list[Tensor], state: Any) -> dict[str, list[Any]]:
+        """One list per state name of the kernel (empty where not kept), the state made at a
+        parameter's first step as torch.optim makes it."""
+        names, lazy_name, _ = plan(self._kernel)
+        made = [n for n in names if n != lazy_name and self._keeps(n)]
         fused = self.flags.get("fused", False)
-        return names, collect(params, gradients, state, names, fills, fused)
+        lists: dict[str, list[Any]] = {n: [] for n in names}
+        for p in kept:
+            entry = state.setdefault(p, {})
+            for name in made:
+                if name not in entry and name == "step" and fused:  # (float32, on p's device)
+                    entry[name] = torch.zeros((), dtype=torch.float32, device=p.device)
+                elif name not in entry and name == "step":  # (the default dtype, on the CPU)
+                    entry[name] = torch.tensor(0.0)
+                elif name not in entry:
+                    fill = self.defaults[self.fills[name]] if name in self.fills else 0.0
+                    entry[name] = torch.full_like(p, fill)
+                lists[name].append(entry[name])
+            if lazy_name:  # the list the kernel fills in itself (SGD's momentum buffers)
+                lists[lazy_name].append(entry.get(lazy_name))
+            if not entry:  # (SGD without momentum keeps nothing)
+                del state[p]
+        return lists
 
     def _run(self, params: list[Tensor], gradients: list[Tensor | None], state: Any) -> None:
-        # torch's kernel for this class, with every argument it takes that is known here.
-        kernel, names, lazy_name, keywords = plan(self.kernel)
-        kept_names, collected = self._collect(params, gradients, state)
-        kept, grads, lists, has_complex, has_sparse = collected
+        """torch's kernel over the parameters that have a gradient, with their state and every
+        other argument the kernel takes that is known here."""
+        if len(gradients) != len(params):
+            raise ValueError(
+                f"gradients has {len(gradients)} entries, one per parameter: {len(params)}"
+            )
+        _, lazy_name, keywords = plan(self._kernel)
+        kept = [p for p, g in zip(params, gradients, strict=True) if g is not None]
+        grads = [g for g in gradients if g is not None]
+        lists = self._lists(kept, state)
         values: dict[str, Any] = {**self._strings, **self.defaults, **self.flags}
-        values.update(has_complex=has_complex, has_sparse_grad=has_sparse)
-        stored = dict(zip(kept_names, lists))
-        bufs = lazy(kept, state, lazy_name) if lazy_name else []
-        args = [bufs if n == lazy_name else stored.get(n, []) for n in names]
+        values["has_complex"] = any(torch.is_complex(p) for p in kept)
+        values["has_sparse_grad"] = any(g.is_sparse for g in grads)
         with torch.no_grad():
-            kernel(kept, grads, *args, **{k: values[k] for k in keywords if k in values})
+            self._kernel(
+                kept, grads, *lists.values(), **{k: values[k] for k in keywords if k in values}
+            )
         if lazy_name and self._keeps(lazy_name):
-            keep(kept, bufs, state, lazy_name)
+            for p, buf in zip(kept, lists[lazy_name], strict=True):
+                if buf is not None:
+                    state[p] = {lazy_name: buf}
 
 
 def _functional(torch_class: type, kernel: Callable[..., None], **class_vars: Any) -> Any:
@@ -350,7 +291,7 @@ def _functional(torch_class: type, kernel: Callable[..., None], **class_vars: An
     doc += [f"    {f[0]}: As in ``{torch_name}``." for f in fields]
     namespace = {
         "torch_class": torch_class,
-        "kernel": staticmethod(kernel),
+        "_kernel": staticmethod(kernel),
         "__doc__": "\n".join(doc),
     }
     cls = dataclasses.make_dataclass(
@@ -426,9 +367,7 @@ def register_functional_optimizer(
                 f"{optimizer_class.__name__} unregistered to run it as itself"
             )
         if not callable(getattr(cls, "step", None)):
-            raise TypeError(
-                f"functional_class must define step(gradients); {cls.__name__} does not"
-            )
+            raise TypeError(f"functional_class must define step(gradients); {cls.__name__} doesn't")
         _REGISTRY[optimizer_class] = cls
         return cls
 
