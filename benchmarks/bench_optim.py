@@ -134,6 +134,11 @@ def _measure(algo: str, count: int, numel: int, reps: int, rounds: int) -> dict[
     out: dict[str, Any] = {k: statistics.median(r[k] for r in per_round) for k in KEYS}
     out["floor"] = out["rtt"] + out["update"]
     out["kernel"] = ours.describe()[OWNER][1]
+    out["rounds"] = {  # bench_overhead.py --summary's names
+        "floor": [r["rtt"] + r["update"] for r in per_round],
+        "metadist": [r["ours"] for r in per_round],
+        "torch": [r["torch"] for r in per_round],
+    }
     for name, over in (("md/floor", None), ("md/torch", "torch")):
         ratios = [r["ours"] / (r[over] if over else r["rtt"] + r["update"]) for r in per_round]
         out[name] = (statistics.median(ratios), min(ratios), max(ratios))
@@ -171,8 +176,15 @@ def _driver(args: argparse.Namespace) -> None:
             )
             rows.append({"algo": algo, "count": count, "numel": numel, **r})
     if args.json:
-        result = {"first_step_s": first, "rows": rows, "rounds": args.rounds, "reps": args.reps}
-        Path(args.json).write_text(json.dumps(result))
+        workloads = {
+            f"optimizer step, {r['algo']} {r['count']}x{r['numel']:,}": {
+                "base": "floor",
+                "rounds": {k: [t * 1e3 for t in v] for k, v in r["rounds"].items()},
+            }
+            for r in rows
+            if r["algo"] == "Adam"
+        }
+        Path(args.json).write_text(json.dumps({"workloads": workloads, "first_step_s": first}))
 
 
 def _child(rank: int, port: int, args: argparse.Namespace) -> None:
