@@ -510,44 +510,50 @@ def workloads(times: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
     for tasks, per in sorted(times.items()):
         rows = {name: per[name] for name in NAMES if name in per and "2T" not in name}
         rows.pop("md W=1", None)
+        rows["torch rpc"] = rows.pop("raw W=2")
         if "plain 2T (1)" in per:  # timed beside the world of 1's plain step: scaled to this one
             scale = [p / q for p, q in zip(per["plain"], per["plain (1)"], strict=True)]
             rows["plain 2T"] = [t * k for t, k in zip(per["plain 2T (1)"], scale, strict=True)]
-        out[f"sinusoid, {tasks} tasks"] = {"base": "plain", "rounds": rows}
+        out[f"sinusoid {tasks}"] = {"base": "plain", "rounds": rows}
         if tasks == min(times) and "md W=1" in per:
             rows = {"plain": per["plain (1)"], "md W=1": per["md W=1"]}
-            out[f"world of 1, {tasks} tasks"] = {"base": "plain", "rounds": rows}
+            out[f"world of 1 ({tasks})"] = {"base": "plain", "rounds": rows}
     return out
 
 
-# The summary's columns: every benchmark names its variants with these.
-COLUMNS = ["plain 2T", "limit", "sync W=2", "spmd W=2", "md W=2", "md ctx W=2", "md W=1"]
-COLUMNS += ["torchopt W=2", "raw W=2", "static", "metadist", "torch"]
+# The summary's rows: every benchmark names its variants with these ("torch rpc": hand-written
+# torch RPC, or torch's own DistributedOptimizer).
+VARIANTS = ["plain 2T", "limit", "sync W=2", "spmd W=2", "md W=2", "md ctx W=2", "md W=1"]
+VARIANTS += ["md static", "torch rpc", "torchopt W=2"]
 
 
 def summary(folder: Path) -> list[str]:
-    """One screen from every ``*.json`` in ``folder``: per workload, the baseline's median (ms)
-    and each variant's speed-up over it (base / variant; median of the per-round ratios, and
-    their min-max over rounds)."""
-    rows: dict[str, Any] = {}
+    """One screen from every ``*.json`` in ``folder``: per workload (a column), the baseline's
+    median (ms) and each variant's speed-up over it (base / variant; median of the per-round
+    ratios, and their min-max over rounds)."""
+    columns: dict[str, Any] = {}
     for path in sorted(folder.glob("*.json")):
-        rows.update(json.loads(path.read_text()).get("workloads", {}))
-    shown = [c for c in COLUMNS if any(c in r["rounds"] for r in rows.values())]
+        columns.update(json.loads(path.read_text()).get("workloads", {}))
+    names = list(columns)
     lines = [
-        "speed-up over the baseline (base / variant): median of interleaved rounds [min-max]",
-        f"{'workload':<26}{'baseline':>18}" + "".join(f" {c:>15}" for c in shown),
+        "speed-up over each workload's baseline (base / variant): median of interleaved rounds "
+        "[min-max]",
+        f"{'':13}" + "".join(f"{n:>18}" for n in names),
     ]
-    for name, row in rows.items():
-        base = row["rounds"][row["base"]]
+    base = [
+        f"{c['base']} {statistics.median(c['rounds'][c['base']]):.2f} ms" for c in columns.values()
+    ]
+    lines.append(f"{'baseline':13}" + "".join(f"{b:>18}" for b in base))
+    for variant in VARIANTS:
         cells = []
-        for column in shown:
-            if column not in row["rounds"]:
-                cells.append(f" {'-':>15}")
+        for column in columns.values():
+            if variant not in column["rounds"]:
+                cells.append(f"{'-':>18}")
                 continue
-            med, lo, hi = _ratio(base, row["rounds"][column])
-            cells.append(f" {med:5.2f} [{lo:.2f}-{hi:.2f}]")
-        baseline = f"{row['base']} {statistics.median(base):.2f} ms"
-        lines.append(f"{name:<26}{baseline:>18}" + "".join(cells))
+            med, lo, hi = _ratio(column["rounds"][column["base"]], column["rounds"][variant])
+            cells.append(f"{med:.2f} [{lo:.2f}-{hi:.2f}]".rjust(18))
+        if any(c.strip() != "-" for c in cells):
+            lines.append(f"{variant:13}" + "".join(cells))
     return lines
 
 

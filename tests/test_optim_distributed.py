@@ -850,6 +850,8 @@ def _check_optimizer_interface(world_size: int) -> None:
     opt = DistributedOptimizer(torch.optim.Adam, _groups(model.rrefs, {}, {}), lr=0.05)
     ref = torch.optim.Adam(_groups(model.local, {}, {}), lr=0.05)
     assert repr(opt) == repr(ref).replace("Adam (", "DistributedOptimizer of Adam (", 1)
+    # step runs torch's hooks itself: torch did not wrap it (its wrapper costs 0.12 ms a step).
+    assert not hasattr(DistributedOptimizer.step, "__wrapped__")
     calls: dict[str, list[str]] = {"opt": [], "ref": []}
 
     def recorder(name: str) -> Callable[..., None]:

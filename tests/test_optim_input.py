@@ -238,7 +238,7 @@ ROWS = [
         ValueError,
         r"growth_interval",
     ),
-    Row("scaler scale", lambda fx: fx.scaler.scale("loss"), TypeError, r"outputs"),
+    Row("scaler scale", lambda fx: fx.scaler.scale(3.0), ValueError, r"outputs must be a Tensor"),
     Row(
         "scaler step optimizer",
         lambda fx: fx.scaler.step(torch.optim.SGD([fx.local], lr=0.1), fx.cid),
