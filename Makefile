@@ -78,11 +78,12 @@ bench-deps:
 # 10 minutes on a 2-core machine).
 bench: bench-deps
 	mkdir -p runs/bench
-	$(PY) benchmarks/bench_overhead.py --tasks 25,400 --rounds 5 --steps 15 --json runs/bench/overhead.json
+	$(PY) benchmarks/bench_overhead.py --tasks 25,400 --rounds 7 --steps 15 --json runs/bench/overhead.json
 	$(PY) benchmarks/bench_maml.py --variants a,a2,c,k,e,l,d --rounds 3 --repeats 5 --warmup 2 --out runs/bench/maml.json
 	$(PY) benchmarks/bench_schedule.py --rounds 5 --steps 3 --json runs/bench/schedule.json
-	$(PY) benchmarks/bench_optim.py --rounds 5 --reps 20 --json runs/bench/optim.json
+	$(PY) benchmarks/bench_optim.py --rounds 7 --reps 20 --json runs/bench/optim.json
 	$(PY) benchmarks/bench_remote.py --rounds 5
+	$(PY) benchmarks/bench_remote.py --channels --rounds 3
 	$(PY) benchmarks/bench_breakdown.py --tasks 25,400 --steps 100
 	$(PY) benchmarks/bench_overhead.py --summary runs/bench
 
