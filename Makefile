@@ -39,7 +39,7 @@ test-torch: $(TVENV)/.installed
 soak:
 	$(PY) -m pytest -m soak -s tests
 
-# A world of 32 processes on this machine (about 2 minutes here): it prints the first and second
+# A world of 32 processes on this machine (about a minute here): it prints the first and second
 # map/reduce and optimizer step, and fails if the first optimizer step costs over twice the second.
 scale:
 	$(PY) -m pytest -m scale -s tests/test_scale.py
@@ -74,8 +74,8 @@ bench-deps:
 	$(PY) -m pip install -q --target .bench-deps/torchopt "torchopt==0.7.3" optree graphviz --no-deps
 
 # One script per question, each an interleaved run against its baselines (docs/performance.md);
-# the last line prints the one-screen summary of the JSON the others leave in runs/bench (about
-# 10 minutes on a 2-core machine).
+# the last line prints the one-screen summary of the JSON the others leave in runs/bench (4-5
+# minutes on a 2-core machine).
 bench: bench-deps
 	mkdir -p runs/bench
 	$(PY) benchmarks/bench_overhead.py --tasks 25,400 --rounds 7 --steps 15 --json runs/bench/overhead.json
