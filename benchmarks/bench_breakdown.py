@@ -7,12 +7,8 @@ drives and computes its half in-process, rank 1 the other half), plain ``loss.ba
 for each interval, the median over ``--steps`` steps. To find those points it wraps a few
 functions for the length of the run: torch RPC's pickler (private: the only place that sees a
 message being pickled and unpickled), metadist's worker entry points and the partition's
-function, and ``metadist.ahead.backward``. The wrappers cost about a microsecond each.
-
-Once two passes gave the partitions the same gradients, each step's backward runs ahead, right
-after each side's forward (``metadist.ahead``): the rows of the gradient request and its answer
-then stay empty, and the worker's reply leaves after its backward. ``--no-ahead`` computes every
-backward in its pass, with one gradient request per step.
+function (a row whose function is gone from metadist shows ``-``). The wrappers cost about a
+microsecond each.
 
 The floors, measured in the same world right after: a round trip of a no-op ``rpc_sync``
 without tensors and with the step's request arguments (the parameters and the worker's half of
@@ -20,14 +16,13 @@ the batch, as tensors), and the worker's half of the step (forward, then backwar
 on rank 0 while rank 1 idles.
 
 ``--workload conv`` runs ``bench_maml``'s convolutional MAML step instead (8 tasks, a per-task
-loop; ``--tasks`` is ignored). Its forward is longer than ``metadist.ahead.MAX_FORWARD_S``, so its
-backward runs in the pass, and the four rows before the totals show the step's shape: how long
+loop; ``--tasks`` is ignored). The four rows before the totals show the step's shape: how long
 the caller waits for the reply after its own forward (negative: the reply came first), how long
 the worker idles between its reply and the gradient request, how long the caller runs its own
 backward, and how long it then waits for the worker's answer.
 
 Run: ``python benchmarks/bench_breakdown.py`` (``--tasks 2,25``, ``--steps``, ``--form``,
-``--no-ahead``, ``--workload conv --steps 12``).
+``--workload conv --steps 12``).
 """
 
 from __future__ import annotations
@@ -52,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_overhead as workload
 
 import metadist
-from metadist import ahead, autograd
+from metadist import autograd
 from metadist import worker as remote_worker
 from metadist.network import free_loopback_port
 
@@ -66,7 +61,9 @@ def _mark(label: str) -> None:
 
 def _around(owner: Any, name: str, label: str) -> None:
     """Mark ``label<`` and ``label>`` around every call of ``owner.name``."""
-    original = getattr(owner, name)
+    original = getattr(owner, name, None)
+    if original is None:  # (renamed or gone in this metadist: its rows stay empty)
+        return
 
     @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -95,8 +92,7 @@ def _instrument() -> None:
     _around(rpc_api._default_pickler, "serialize", "pickle")
     _around(rpc_api._default_pickler, "deserialize", "unpickle")
     _around(remote_worker, "_vjp", "vjp")
-    _around(ahead, "backward", "ahead")
-    _around(autograd.RemoteGradients, "collect", "collect")
+    _around(getattr(autograd, "RemoteGradients", None), "collect", "collect")
 
 
 def noop(*_: Any) -> int:
@@ -148,7 +144,6 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
     def main() -> None:
         if rank != 0:
             return
-        ahead.ENABLED = cfg["ahead"]
         call = metadist.parallelize(
             partitioner=metadist.dim_partitioner(0), reducer=metadist.mean_reducer
         )(timed_loss)
@@ -197,9 +192,7 @@ INTERVALS = [
     ("worker: hand-off and decode until the function", (W, "unpickle>", 0), (W, "fn<", 0)),
     ("worker: the function (forward of its half)", (W, "fn<", 0), (W, "fn>", 0)),
     ("caller: the function (forward of its half)", (C, "fn<", 0), (C, "fn>", 0)),
-    ("worker: backward ahead (its half)", (W, "ahead<", 0), (W, "ahead>", 0)),
-    ("caller: backward ahead (its half)", (C, "ahead<", 0), (C, "ahead>", 0)),
-    ("worker: keep the graph (and ahead), pickle the reply", (W, "fn>", 0), (W, "pickle>", 0)),
+    ("worker: keep the graph, pickle the reply", (W, "fn>", 0), (W, "pickle>", 0)),
     ("wire: reply to caller (RPC)", (W, "pickle>", 0), (C, "unpickle<", 0)),
     ("caller: unpickle, link, reduce, return", (C, "unpickle<", 0), (C, "forward>", 0)),
     (
@@ -274,16 +267,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps")
     parser.add_argument("--form", choices=("plain", "context"), default="plain")
     parser.add_argument("--workload", choices=("sinusoid", "conv"), default="sinusoid")
-    parser.add_argument(
-        "--no-ahead", action="store_true", help="every backward in its pass (metadist.ahead)"
-    )
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun starts them
     cfg = {
         "tasks": [int(t) for t in args.tasks.split(",")],
         "steps": args.steps,
         "form": args.form,
-        "ahead": not args.no_ahead,
         "workload": args.workload,
     }
     if args.workload == "conv":

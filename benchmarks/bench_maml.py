@@ -23,6 +23,7 @@ is forward, backward and the Adam meta-step; the median over ``--repeats`` steps
 The (c) run also checks that metadist's meta-gradient equals (a)'s (relative error <= 1e-5).
 
 Run: ``python benchmarks/bench_maml.py`` (``--repeats 3 --warmup 1`` for a quick smoke test;
+``--out FILE`` saves the rounds for ``bench_overhead.py --summary``;
 ``--rounds N`` runs every variant N times in turn, and each ratio is the median of its
 per-round ratios).
 """
@@ -404,6 +405,7 @@ def main() -> None:
         "--role", choices=("metadist", "torchopt", "spmd", "limit"), help=argparse.SUPPRESS
     )
     p.add_argument("--json", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help="save the rounds' medians here (for the summary)")
     args = p.parse_args()
     if args.role == "metadist":
         role_metadist(args)
@@ -506,6 +508,17 @@ def main() -> None:
         print(f"time(d) / time(c) = {ratio('d', 'c2'):.2f}x  (target >= 1.35)")
     if "c2" in med and "d1" in med:
         print(f"time(d1) / time(c) = {ratio('d1', 'c2'):.2f}x")
+    if args.out:  # bench_overhead.py --summary's names; variants with a failed round left out
+        names = {"a": "plain", "a2": "plain 2T", "l": "limit", "e": "spmd W=2", "c2": "md W=2"}
+        names.update({"k": "md ctx W=2", "d": "torchopt W=2"})
+        kept = {
+            names[k]: [t * 1e3 for t in r]  # type: ignore[operator]
+            for k, r in rounds.items()
+            if k in names and r and None not in r
+        }
+        if "plain" in kept:
+            row = {"base": "plain", "rounds": kept}
+            args.out.write_text(json.dumps({"workloads": {"conv MAML step": row}}))
 
 
 if __name__ == "__main__":

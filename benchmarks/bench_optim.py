@@ -1,44 +1,41 @@
-"""Benchmark: a DistributedOptimizer step against its floor and against torch's.
+"""What does the optimizer step cost? A DistributedOptimizer step against its floor.
 
 A step sends one request to each owner, so its floor is a no-op ``rpc_sync`` round trip to the
-owner plus the owner's own update. This spawns a world of 3 over loopback (rank 0 drives, every
-parameter lives on worker1, worker2 idles), once per configuration:
+owner plus the owner's own update. This spawns a world of 2 over loopback (``auto_init_rpc``'s
+defaults; rank 0 drives, every parameter lives on worker1) and, as a training loop steps, times
+each call in a distributed-autograd context of its own, right after that context's forward and
+backward (untimed):
 
-* ``metadist``: ``auto_init_rpc``'s defaults (TensorPipe over TCP only, one malloc arena);
-* ``torch``: torch's defaults (TensorPipe's default transports, shared memory included, and
-  glibc's default malloc arenas: ``METADIST_MALLOC_ARENA_MAX=0``), as ``rpc.init_rpc`` gives.
+* **first steps**: the job's first DistributedOptimizer made (one request per owner, which
+  builds the owner's optimizer), then its first, second and third steps (one-time imports and
+  allocations included where they fall);
+* in interleaved rounds (one sample of each per turn, ``--reps`` turns per round): **rtt**, a
+  no-op ``rpc_sync``; **update**, ``torch.optim.X(fused=True).step()`` on the owner over the same
+  parameters and that backward's gradients, timed there; **floor** = rtt + update;
+  **metadist**'s ``step``; and torch's ``torch.distributed.optim.DistributedOptimizer.step``
+  (made after the first steps above, as it imports what metadist's avoids).
 
-For Adam and SGD (momentum 0.9) on 100 x 1,000 and 10 x 100,000 float32 parameters it times, in
-interleaved rounds: the round trip (``rpc_sync`` of a no-op), the update on worker1 itself
-(``torch.optim`` with ``fused=True``, the kernel metadist picks there, over the same parameters;
-floor = round trip + update), ``rpc(upd)``: an ``rpc_sync`` whose function runs that same update
-(what a step costs with no optimizer machinery at all), metadist's ``step`` and
-``torch.distributed.optim.DistributedOptimizer.step``.
+For Adam and SGD (momentum 0.9) on 100 x 1,000 and 10 x 100,000 float32 parameters it prints
+medians over all samples (ms), and metadist / floor and metadist / torch as the median of the
+rounds' ratios with their min-max.
 
-Two ways, both printed:
-
-* **fresh** (the main one): as a training loop steps, each timed call in a distributed-autograd
-  context of its own, right after that context's forward and backward (untimed); the update reads
-  that backward's gradients;
-* **same**: every call repeated in one context (warm caches, no context traffic).
-
-It prints medians, the spread of the round medians, and metadist / floor (target <= 1.3).
-
-Usage: python benchmarks/bench_optim.py [--world both|metadist|torch] [--reps 40] [--rounds 5]
+Usage: python benchmarks/bench_optim.py [--reps 30] [--rounds 5] [--quick] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
-import torch.distributed.optim as torch_dist_optim
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
@@ -52,6 +49,7 @@ ALGOS: dict[str, tuple[type, dict[str, Any]]] = {
     "Adam": (torch.optim.Adam, {"lr": 1e-3}),
     "SGD": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
 }
+KEYS = ("rtt", "update", "ours", "torch")
 
 
 def _make_param(numel: int, seed: int) -> torch.Tensor:
@@ -72,186 +70,154 @@ _OWNED: dict[str, torch.optim.Optimizer] = {}
 
 
 def _prepare_update(algo: str, rrefs: list[rpc.RRef[torch.Tensor]]) -> None:
-    """Build, on this owner, the same update metadist runs there (torch.optim, fused kernel), over
-    the same parameters."""
+    """The update metadist runs on this owner (torch.optim, fused kernel), over copies of the
+    parameters (the steps timed beside it keep stepping the originals)."""
     cls, kwargs = ALGOS[algo]
-    params = [r.local_value() for r in rrefs]
-    for p in params:
-        p.grad = 2 * p.detach()
-    _OWNED["opt"] = cls(params, fused=True, **kwargs)
-    _OWNED["opt"].step()
+    _OWNED["opt"] = cls([r.local_value().detach().clone() for r in rrefs], fused=True, **kwargs)
+    _OWNED["params"] = [r.local_value() for r in rrefs]  # type: ignore[assignment]
 
 
-def _update(context_id: int | None = None) -> float:
-    """One update (with the gradients of ``context_id`` when given); return its duration."""
-    opt = _OWNED["opt"]
-    if context_id is not None:
-        grads = dist_autograd.get_gradients(context_id)
-        for p in opt.param_groups[0]["params"]:
-            p.grad = grads[p]
+def _update(context_id: int) -> float:
+    """One update with the gradients of ``context_id``; return its duration."""
+    opt, grads = _OWNED["opt"], dist_autograd.get_gradients(context_id)
+    for p, original in zip(opt.param_groups[0]["params"], _OWNED["params"], strict=True):  # type: ignore[call-overload]
+        p.grad = grads[original]
     start = time.perf_counter()
     opt.step()
     return time.perf_counter() - start
 
 
-def _local_update(reps: int) -> list[float]:
-    """Time ``reps`` back-to-back updates here, in an RPC thread like a real step."""
-    return [_update() for _ in range(reps)]
-
-
-def _timed(call: Any, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
+def _timed_step(rrefs: list[Any], step: Any) -> float:
+    """Forward and backward in a fresh context (untimed), then ``step(context_id)`` timed."""
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [rpc.rpc_sync(OWNER, _owner_loss, args=(rrefs,))])
         start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return times
+        out = step(cid)
+        return out if isinstance(out, float) else time.perf_counter() - start
 
 
-KEYS = ("rtt", "update", "rpc_update", "ours", "torch")
-
-
-def _fresh_round(rrefs: list[Any], ours: Any, theirs: Any, reps: int) -> dict[str, list[float]]:
-    """``reps`` samples of every key, each in a fresh context right after its backward; the keys
-    interleaved so that they share the machine's state alike."""
-    out: dict[str, list[float]] = {k: [] for k in KEYS}
-    for _ in range(reps):
-        for key in KEYS:
-            with dist_autograd.context() as cid:
-                loss = rpc.rpc_sync(OWNER, _owner_loss, args=(rrefs,))
-                dist_autograd.backward(cid, [loss])
-                start = time.perf_counter()
-                if key == "rtt":
-                    rpc.rpc_sync(OWNER, _noop)
-                elif key == "update":
-                    out[key].append(rpc.rpc_sync(OWNER, _update, args=(cid,)))
-                    continue
-                elif key == "rpc_update":
-                    rpc.rpc_sync(OWNER, _update, args=(cid,))
-                else:
-                    (ours if key == "ours" else theirs).step(cid)
-                out[key].append(time.perf_counter() - start)
-    return out
-
-
-def _same_round(ours: Any, theirs: Any, cid: int, reps: int) -> dict[str, list[float]]:
-    """``reps`` samples of every key, all in the one context ``cid``."""
-    return {
-        "rtt": _timed(lambda: rpc.rpc_sync(OWNER, _noop), reps),
-        "update": rpc.rpc_sync(OWNER, _local_update, args=(reps,)),
-        "rpc_update": _timed(lambda: rpc.rpc_sync(OWNER, _update), reps),
-        "ours": _timed(lambda: ours.step(cid), reps),
-        "torch": _timed(lambda: theirs.step(cid), reps),
-    }
-
-
-def _summary(rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in KEYS:
-        out[key] = statistics.median(t for r in rounds for t in r[key])
-        medians = [statistics.median(r[key]) for r in rounds]
-        out[key + "_spread"] = (min(medians), max(medians))
-    out["floor"] = out["rtt"] + out["update"]
-    return out
+def _first_steps(algo: str, count: int, numel: int) -> list[float]:
+    """The first DistributedOptimizer of the job: [made, first step, second step, third step]."""
+    cls, kwargs = ALGOS[algo]
+    rrefs = [rpc.remote(OWNER, _make_param, args=(numel, i)) for i in range(count)]
+    rpc.rpc_sync(OWNER, _noop)
+    start = time.perf_counter()
+    opt = DistributedOptimizer(cls, rrefs, **kwargs)
+    times = [time.perf_counter() - start]
+    return times + [_timed_step(rrefs, opt.step) for _ in range(3)]
 
 
 def _measure(algo: str, count: int, numel: int, reps: int, rounds: int) -> dict[str, Any]:
+    import torch.distributed.optim as torch_dist_optim  # (FSDP, DTensor: after the first steps)
+
     cls, kwargs = ALGOS[algo]
     rrefs = [rpc.remote(OWNER, _make_param, args=(numel, i)) for i in range(count)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's TorchScript deprecation notices
-        theirs = torch_dist_optim.DistributedOptimizer(cls, rrefs, **kwargs)
+    theirs = torch_dist_optim.DistributedOptimizer(cls, rrefs, **kwargs)
     ours = DistributedOptimizer(cls, rrefs, **kwargs)
     rpc.rpc_sync(OWNER, _prepare_update, args=(algo, rrefs))
-    fresh, same = [], []
-    for n in range(rounds + 1):
-        if n:
-            fresh.append(_fresh_round(rrefs, ours, theirs, reps))
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [rpc.rpc_sync(OWNER, _owner_loss, args=(rrefs,))])
-            if not n:  # warm up both (torch's compiles its TorchScript here)
-                for _ in range(3):
-                    ours.step(cid)
-                    theirs.step(cid)
-            else:
-                same.append(_same_round(ours, theirs, cid, reps))
-    return {"kernel": ours.describe()[OWNER][1], "fresh": _summary(fresh), "same": _summary(same)}
+    calls = {
+        "rtt": lambda cid: rpc.rpc_sync(OWNER, _noop),
+        "update": lambda cid: rpc.rpc_sync(OWNER, _update, args=(cid,)),
+        "ours": ours.step,
+        "torch": theirs.step,
+    }
+    for call in calls.values():  # warm-up (torch's compiles its TorchScript here)
+        for _ in range(3):
+            _timed_step(rrefs, call)
+    per_round = []
+    for _ in range(rounds):
+        samples: dict[str, list[float]] = {k: [] for k in KEYS}
+        for _ in range(reps):
+            for key in KEYS:
+                samples[key].append(_timed_step(rrefs, calls[key]))
+        per_round.append({k: statistics.median(v) for k, v in samples.items()})
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in per_round) for k in KEYS}
+    out["floor"] = out["rtt"] + out["update"]
+    out["kernel"] = ours.describe()[OWNER][1]
+    out["rounds"] = {  # bench_overhead.py --summary's names
+        "floor": [r["rtt"] + r["update"] for r in per_round],
+        "metadist": [r["ours"] for r in per_round],
+        "torch": [r["torch"] for r in per_round],
+    }
+    for name, over in (("md/floor", None), ("md/torch", "torch")):
+        ratios = [r["ours"] / (r[over] if over else r["rtt"] + r["update"]) for r in per_round]
+        out[name] = (statistics.median(ratios), min(ratios), max(ratios))
+    return out
 
 
-def _driver(world: str, reps: int, rounds: int, quick: bool) -> None:
-    shapes = ((10, 100), (2, 1_000)) if quick else SHAPES
-    print(f"\n== {world} world ({rounds} rounds x {reps} steps; ms, medians [round spread]) ==")
+def _driver(args: argparse.Namespace) -> None:
+    shapes = ((10, 100), (2, 1_000)) if args.quick else SHAPES
+    first = _first_steps("Adam", *shapes[0])
+    print(f"\nworld of 2, Adam {shapes[0][0]}x{shapes[0][1]:,} on {OWNER}:")
     print(
-        f"{'algo':<5} {'params':>10} {'contexts':>8} {'rtt':>6} {'update':>7} {'floor':>6} "
-        f"{'rpc(upd)':>8} {'metadist':>18} {'torch':>18} {'md/floor':>11} {'md/torch':>8}"
+        f"optimizer made {first[0] * 1e3:.1f} ms; first optimizer step {first[1] * 1e3:.2f} ms, "
+        f"second {first[2] * 1e3:.2f} ms, third {first[3] * 1e3:.2f} ms: first / second "
+        f"{first[1] / first[2]:.2f}x",
+        flush=True,
     )
+    print(f"\n{args.rounds} interleaved rounds x {args.reps} steps, fresh contexts; ms, medians")
+    print(
+        f"{'algo':<5} {'params':>10} {'kernel':>7} {'rtt':>6} {'update':>7} {'floor':>6} "
+        f"{'metadist':>8} {'torch':>6}   {'md/floor [min-max]':<20} md/torch [min-max]"
+    )
+    rows = []
     for count, numel in shapes:
         for algo in ALGOS:
-            m = _measure(algo, count, numel, reps, rounds)
-            for way in ("fresh", "same"):
-                r = m[way]
-                to_floor = r["ours"] / r["floor"]
-                (lo, hi), (tlo, thi) = r["ours_spread"], r["torch_spread"]
-                print(
-                    f"{algo:<5} {f'{count}x{numel:,}':>10} {way:>8} {r['rtt'] * 1e3:6.3f} "
-                    f"{r['update'] * 1e3:7.3f} {r['floor'] * 1e3:6.3f} "
-                    f"{r['rpc_update'] * 1e3:8.3f} "
-                    f"{r['ours'] * 1e3:6.3f} [{lo * 1e3:.2f}-{hi * 1e3:.2f}] "
-                    f"{r['torch'] * 1e3:6.3f} [{tlo * 1e3:.2f}-{thi * 1e3:.2f}] "
-                    f"{to_floor:5.2f} {'ok' if to_floor <= 1.3 else '>1.3':>5} "
-                    f"{r['ours'] / r['torch']:8.2f}",
-                    flush=True,
-                )
+            r = _measure(algo, count, numel, args.reps, args.rounds)
+            ms = [f"{r[k] * 1e3:{w}.3f}" for k, w in (("rtt", 6), ("update", 7), ("floor", 6))]
+            ms += [f"{r['ours'] * 1e3:8.3f}", f"{r['torch'] * 1e3:6.3f}"]
+            ratios = [
+                f"{m:.2f} [{lo:.2f}-{hi:.2f}]" for m, lo, hi in (r["md/floor"], r["md/torch"])
+            ]
+            line = f"{algo:<5} {f'{count}x{numel:,}':>10} {r['kernel']:>7} {' '.join(ms)}   "
+            print(f"{line}{ratios[0]:<20} {ratios[1]}", flush=True)
+            rows.append({"algo": algo, "count": count, "numel": numel, **r})
+    if args.json:
+        adam = next(r for r in rows if r["algo"] == "Adam")  # 100 x 1,000: many small tensors
+        names = {"floor": "floor", "metadist": "md W=2", "torch": "torch rpc"}
+        rounds = {names[k]: [t * 1e3 for t in v] for k, v in adam["rounds"].items()}
+        workloads = {"optimizer step": {"base": "floor", "rounds": rounds}}
+        Path(args.json).write_text(json.dumps({"workloads": workloads, "first_step_s": first}))
 
 
-def _child(rank: int, world: str, port: int, args: argparse.Namespace) -> None:
+def _child(rank: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(
         RANK=str(rank),
-        WORLD_SIZE="3",
+        WORLD_SIZE="2",
         LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="3",
+        LOCAL_WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
-    options = None
-    if world == "torch":
-        os.environ["METADIST_MALLOC_ARENA_MAX"] = "0"  # leave glibc's arenas as torch has them
-        options = rpc.TensorPipeRpcBackendOptions()  # torch's default transports
-    # torch's own DistributedOptimizer (the baseline) warns that TorchScript is deprecated in
-    # every process, under simplefilter("always") so no filter reaches it: drop it at display.
+    # torch's own DistributedOptimizer (the baseline) warns that TorchScript is deprecated, under
+    # simplefilter("always") so no filter reaches it: dropped at display.
     show = warnings.showwarning
 
-    def showwarning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
-        if "support for functional optimizers is deprecated" not in str(message):
-            show(message, *args, **kwargs)
+    def showwarning(message: Warning | str, *rest: Any, **kwargs: Any) -> None:
+        if "functional optimizers is deprecated" not in str(message):
+            show(message, *rest, **kwargs)
 
     warnings.showwarning = showwarning
 
-    @metadist.auto_init_rpc(rpc_backend_options=options)
+    @metadist.auto_init_rpc()
     def main() -> None:
         if rank == 0:
-            _driver(world, args.reps, args.rounds, args.quick)
+            _driver(args)
 
     main()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", choices=("both", "metadist", "torch"), default="both")
-    parser.add_argument("--reps", type=int, default=40, help="timed steps per round")
+    parser.add_argument("--reps", type=int, default=30, help="timed steps per round and key")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    worlds = ("metadist", "torch") if args.world == "both" else (args.world,)
-    for world in worlds:
-        mp.start_processes(
-            _child,
-            args=(world, free_loopback_port(), args),
-            nprocs=3,
-            join=True,
-            start_method="spawn",
-        )
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    mp.start_processes(_child, args=(free_loopback_port(), args), nprocs=2, start_method="spawn")
 
 
 if __name__ == "__main__":

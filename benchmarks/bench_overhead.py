@@ -6,7 +6,8 @@ second-order meta-gradient and an Adam meta-step. Every variant computes the sam
 the same meta-batch, on one thread per process, and is timed per full step (forward, backward,
 meta-step):
 
-* ``plain``: one process, no RPC, ``loss.backward()``.
+* ``plain``: one process, no RPC, ``loss.backward()``, one thread; ``plain 2T``: the same on
+  two threads (``torch.set_num_threads(2)``), what one process makes of both cores.
 * ``limit``: what two processes can do at best: two plain processes with half the tasks each,
   started together before every step (a Gloo barrier), no communication; the slower one's
   median. The other two-process rows are reported as ratios to it.
@@ -18,10 +19,6 @@ meta-step):
 * ``md W=2``: the same call in a world of 2; rank 0 drives and computes its own half in-process.
 * ``md ctx W=2``: the same in the torchopt form, ``metadist.autograd.context()`` and
   ``metadist.autograd.backward``.
-* ``md bal W=2``, ``md bal ctx W=2``: the two above with ``dim_partitioner(0,
-  schedule="balanced")`` (one per variant and batch size, warmed up for 200 steps, past its
-  first trials): chunk sizes follow each worker's measured speed, and a worker that costs more
-  than it saves sits out.
 * ``raw W=2``: hand-written ``torch.distributed.rpc``: the tasks split in two, one ``rpc_async``
   per worker (rank 0's own half included, as a plain fan-out does), parameters sent as
   ``p.view_as(p)`` so that distributed autograd links them, ``dist_autograd.backward``.
@@ -30,10 +27,15 @@ meta-step):
 
 Every two-process variant runs in one world of 2 (RPC and a Gloo group in the same two
 processes), interleaved round by round, so that all of them meet the machine in the same state;
-``plain`` and ``md W=1`` also run in a process of their own, interleaved. The ratios printed are
+``plain``, ``plain 2T`` and ``md W=1`` also run in a process of their own, interleaved. The
+ratios printed are
 medians of the per-round ratios (each round: the median of ``--steps`` steps), with their spread
 (min-max). Each variant's meta-gradient is checked against ``plain``'s (relative error <= 1e-5).
-``--plot`` saves speed-up against tasks per meta-batch.
+``--plot`` saves speed-up against tasks per meta-batch, ``--json`` the rounds' medians.
+
+``--summary DIR`` prints nothing but the one-screen table of every benchmark's JSON in ``DIR``
+(what ``make bench`` ends with): per workload, each variant's median time and its ratio to that
+workload's baseline (median of the per-round ratios, min-max).
 
 Run: ``python benchmarks/bench_overhead.py`` (``--quick`` for a smoke run).
 """
@@ -180,18 +182,12 @@ def step_metadist_context(
     opt.step()
 
 
-# One balanced partitioner per variant and batch size: each learns the split of its own step.
-_BALANCED: dict[tuple[str, int], metadist.DimPartitioner] = {}
-
-
-def balanced(name: str, step: Callable[..., None]) -> Callable[..., None]:
-    def run(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
-        key = (name, len(batch[0]))
-        if key not in _BALANCED:
-            _BALANCED[key] = metadist.dim_partitioner(0, schedule="balanced")
-        step(model, opt, batch, _BALANCED[key])
-
-    return run
+def step_plain_2t(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
+    torch.set_num_threads(2)
+    try:
+        step_plain(model, opt, batch)
+    finally:
+        torch.set_num_threads(1)
 
 
 def step_raw(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
@@ -219,11 +215,10 @@ def step_raw(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, 
 
 STEPS: dict[str, Callable[[nn.Module, torch.optim.Optimizer, tuple[Tensor, ...]], None]] = {
     "plain": step_plain,
+    "plain 2T": step_plain_2t,
     "md W=1": step_metadist,
     "md W=2": step_metadist,
     "md ctx W=2": step_metadist_context,
-    "md bal W=2": balanced("md bal W=2", step_metadist),
-    "md bal ctx W=2": balanced("md bal ctx W=2", step_metadist_context),
     "raw W=2": step_raw,
 }
 
@@ -334,8 +329,7 @@ def time_interleaved(
     for name in variants:
         model = make_model()
         setups[name] = (model, torch.optim.Adam(model.parameters(), lr=1e-3))
-        # Warm up; a balanced partitioner past its first trials (rests of 50, then 100 calls).
-        for _ in range(200 if " bal " in name else 3):
+        for _ in range(3):  # warm up
             STEPS[name](*setups[name], batch)
     order = variants + (list(PAIRS) if dist.is_initialized() else [])
     out: dict[str, list[float]] = {name: [] for name in order}
@@ -370,7 +364,7 @@ def _env(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-DRIVEN = ["plain", "md W=2", "md ctx W=2", "md bal W=2", "md bal ctx W=2", "raw W=2"]
+DRIVEN = ["plain", "md W=2", "md ctx W=2", "raw W=2"]
 
 
 def _pair_child(rank: int, ports: tuple[int, int], cfg: dict[str, Any], out: str) -> None:
@@ -411,7 +405,7 @@ def _world_of_one(cfg: dict[str, Any], out: str) -> None:
         for tasks in cfg["tasks"]:
             results["errors"][f"md W=1/{tasks}"] = check_grad("md W=1", tasks, step_metadist)
             results["times"][str(tasks)] = time_interleaved(
-                ["plain", "md W=1"], tasks, cfg["steps"], cfg["rounds"]
+                ["plain", "plain 2T", "md W=1"], tasks, cfg["steps"], cfg["rounds"]
             )
         Path(out).write_text(json.dumps(results))
 
@@ -446,6 +440,7 @@ def _merge(
         for tasks, per in part["times"].items():
             for name, rounds in per.items():
                 key = name if name != "plain" or "md W=1" not in per else "plain (1)"
+                key = "plain 2T (1)" if name == "plain 2T" else key
                 times.setdefault(int(tasks), {})[key] = rounds
     return times, errors
 
@@ -456,35 +451,26 @@ def _ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-NAMES = [
-    "plain",
-    "limit",
-    "md W=1",
-    "md W=2",
-    "md ctx W=2",
-    "md bal W=2",
-    "md bal ctx W=2",
-    "raw W=2",
-    "sync W=2",
-    "spmd W=2",
-]
+NAMES = ["plain", "plain 2T", "limit", "md W=1", "md W=2", "md ctx W=2", "raw W=2", "sync W=2"]
+NAMES += ["spmd W=2"]
 
 
 def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -> list[str]:
     lines = [
-        "ms per step, median over rounds (median per-round ratio to the limit; md W=1: to the "
-        "plain step timed beside it in its own process)",
+        "ms per step, median over rounds (median per-round ratio to the limit; md W=1 and plain "
+        "2T: to the plain step timed beside them in their own process)",
         f"{'tasks':>5} " + " ".join(f"{n:>17}" for n in NAMES),
     ]
     for tasks in sorted(times):
         per = times[tasks]
         cells = []
         for name in NAMES:
-            rounds = per.get(name)
+            rounds = per.get(name if name != "plain 2T" else "plain 2T (1)")
             if rounds is None:
                 cells.append(f"{'-':>17}")
                 continue
-            ratio = _ratio(rounds, per["plain (1)"] if name == "md W=1" else per["limit"])[0]
+            base = per["plain (1)"] if name in ("md W=1", "plain 2T") else per["limit"]
+            ratio = _ratio(rounds, base)[0]
             cells.append(f"{statistics.median(rounds):6.2f} ({ratio:4.2f}x)".rjust(17))
         lines.append(f"{tasks:>5} " + " ".join(cells))
     lines += ["", "targets (ratios of interleaved rounds: median [min-max])"]
@@ -506,7 +492,7 @@ def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -
             continue
         for name in ("sync W=2", "spmd W=2"):  # what the targets sit on, for scale
             show(f"{name} / limit ({tasks} tasks)", _ratio(per[name], per["limit"]), "-", None)
-        for name in ("md W=2", "md ctx W=2", "md bal W=2", "md bal ctx W=2"):
+        for name in ("md W=2", "md ctx W=2"):
             r = _ratio(per[name], per["limit"])
             show(f"{name} / limit ({tasks} tasks)", r, f"<= {bound}", r[0] <= bound)
             r = _ratio(per[name], per["spmd W=2"])
@@ -514,6 +500,60 @@ def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -
     lines.append("")
     worst = max(errors.values()) if errors else float("nan")
     lines.append(f"meta-gradients equal plain torch's: max relative error {worst:.1e} (<= 1e-5)")
+    return lines
+
+
+def workloads(times: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
+    """The summary's rows (see :func:`summary`): each size's step in the world of 2 beside the
+    plain step timed there, and the 25-task step in a world of 1 beside its own plain step."""
+    out: dict[str, Any] = {}
+    for tasks, per in sorted(times.items()):
+        rows = {name: per[name] for name in NAMES if name in per and "2T" not in name}
+        rows.pop("md W=1", None)
+        rows["torch rpc"] = rows.pop("raw W=2")
+        if "plain 2T (1)" in per:  # timed beside the world of 1's plain step: scaled to this one
+            scale = [p / q for p, q in zip(per["plain"], per["plain (1)"], strict=True)]
+            rows["plain 2T"] = [t * k for t, k in zip(per["plain 2T (1)"], scale, strict=True)]
+        out[f"sinusoid {tasks}"] = {"base": "plain", "rounds": rows}
+        if tasks == min(times) and "md W=1" in per:
+            rows = {"plain": per["plain (1)"], "md W=1": per["md W=1"]}
+            out[f"world of 1 ({tasks})"] = {"base": "plain", "rounds": rows}
+    return out
+
+
+# The summary's rows: every benchmark names its variants with these ("torch rpc": hand-written
+# torch RPC, or torch's own DistributedOptimizer).
+VARIANTS = ["plain 2T", "limit", "sync W=2", "spmd W=2", "md W=2", "md ctx W=2", "md W=1"]
+VARIANTS += ["md static", "torch rpc", "torchopt W=2"]
+
+
+def summary(folder: Path) -> list[str]:
+    """One screen from every ``*.json`` in ``folder``: per workload (a column), the baseline's
+    median (ms) and each variant's speed-up over it (base / variant; median of the per-round
+    ratios, and their min-max over rounds)."""
+    columns: dict[str, Any] = {}
+    for path in sorted(folder.glob("*.json")):
+        columns.update(json.loads(path.read_text()).get("workloads", {}))
+    names = list(columns)
+    lines = [
+        "speed-up over each workload's baseline (base / variant): median of interleaved rounds "
+        "[min-max]",
+        f"{'':13}" + "".join(f"{n:>18}" for n in names),
+    ]
+    base = [
+        f"{c['base']} {statistics.median(c['rounds'][c['base']]):.2f} ms" for c in columns.values()
+    ]
+    lines.append(f"{'baseline':13}" + "".join(f"{b:>18}" for b in base))
+    for variant in VARIANTS:
+        cells = []
+        for column in columns.values():
+            if variant not in column["rounds"]:
+                cells.append(f"{'-':>18}")
+                continue
+            med, lo, hi = _ratio(column["rounds"][column["base"]], column["rounds"][variant])
+            cells.append(f"{med:.2f} [{lo:.2f}-{hi:.2f}]".rjust(18))
+        if any(c.strip() != "-" for c in cells):
+            lines.append(f"{variant:13}" + "".join(cells))
     return lines
 
 
@@ -529,7 +569,6 @@ def plot(times: dict[int, dict[str, list[float]]], path: Path) -> None:
         "limit": "k-",
         "md W=2": "o-",
         "md ctx W=2": "d-",
-        "md bal W=2": "v-",
         "spmd W=2": "s--",
         "raw W=2": "^:",
     }
@@ -559,7 +598,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few sizes and steps")
     parser.add_argument("--plot", type=Path, help="save the speed-up plot (PNG) here")
+    parser.add_argument("--json", type=Path, help="save the rounds' medians here")
+    parser.add_argument("--summary", type=Path, help="print the summary of this folder's JSON")
     args = parser.parse_args()
+    if args.summary:
+        print("\n".join(summary(args.summary)))
+        return
     # One thread per process, as torchrun starts them: OpenMP reads OMP_NUM_THREADS when torch
     # loads, so the children must start with it; set later (as _env does), it reaches only the
     # threads torch starts itself, not RPC handler threads.
@@ -585,6 +629,8 @@ def main() -> None:
             parts.append(json.loads(Path(out).read_text()))
     times, errors = _merge(parts)
     print("\n".join(report(times, errors)))
+    if args.json:
+        args.json.write_text(json.dumps({"workloads": workloads(times)}))
     if args.plot:
         plot(times, args.plot)
         print(f"plot saved to {args.plot}")

@@ -1,7 +1,11 @@
-"""Benchmark: metadist remote calls vs hand-written torch.distributed.rpc.
+"""The engine: torch RPC's own round trips, and metadist's calls against hand-written RPC.
 
-Spawns its own world of 3 over loopback (rank 0 drives) and prints, measured side by side in
-one run (rounds alternate between the two variants; medians over rounds):
+Spawns its own world of 3 over loopback (rank 0 drives; ``auto_init_rpc``'s TensorPipe over TCP
+with tensors inside the connection) and prints, measured side by side in one run (rounds
+alternate between the variants; medians over rounds):
+
+0. torch RPC alone: an empty round trip (``rpc_sync`` of a no-op, no arguments) and 10 small
+   tensors each way (an echo of ten 64-float tensors);
 
 1. one call to one worker: ``remote_sync_call(f, partitioner=1)`` vs ``rpc.rpc_sync(1, f)``
    (target ratio <= 1.10);
@@ -12,17 +16,31 @@ one run (rounds alternate between the two variants; medians over rounds):
    (what plain RPC / TorchOpt send, and not differentiable), metadist's first call (structure +
    tensors), later calls (tensors only, structure cached), and later calls with bf16.
 
-Usage: python benchmarks/bench_remote.py [--calls 200] [--rounds 15] [--quick]
+The bytes of (3) are computed with metadist's transport internals; where those changed, that
+section says it is skipped.
+
+``--channels`` measures TensorPipe's tensor channels instead: a world of 2 of plain
+``torch.distributed.rpc`` over TCP per channel (torch's default choice, which picks the
+cross-memory-attach ``cma`` between processes of one machine; ``basic``, tensors inside the TCP
+connection, metadist's default; ``cma``), channels alternating, rank 0 echoing one float tensor
+of each ``--sizes`` (in floats) through rank 1: the median round trip over ``--rounds`` worlds
+and its min-max.
+
+Usage: python benchmarks/bench_remote.py [--calls 200] [--rounds 15] [--quick] [--channels]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import statistics
+import tempfile
 import time
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +60,14 @@ WORLD_SIZE = 3
 
 def echo(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def noop() -> None:
+    return None
+
+
+def echo_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return xs
 
 
 def partial_sum(x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +123,12 @@ def _model() -> nn.Module:
 
 def _driver(calls: int, rounds: int) -> None:
     print(f"world of {WORLD_SIZE} over loopback; {calls} calls x {rounds} rounds, medians")
+    small = tuple(torch.randn(64) for _ in range(10))
+    empty, tensors10 = _compare(
+        lambda: rpc.rpc_sync(1, noop), lambda: rpc.rpc_sync(1, echo_all, args=small), calls, rounds
+    )
+    print(f"{'torch RPC: empty round trip':<34} {empty * 1e3:10.3f}ms")
+    print(f"{'torch RPC: 10 small tensors each way':<34} {tensors10 * 1e3:10.3f}ms\n")
     print(f"{'case':<34} {'torch rpc':>12} {'metadist':>12} {'ratio':>7} {'target':>7}")
 
     x = torch.randn(256)
@@ -135,6 +167,14 @@ def _driver(calls: int, rounds: int) -> None:
     )
 
     model = _model()
+    try:
+        _bytes(model)
+    except (AttributeError, ImportError, TypeError) as exc:  # metadist's internals changed
+        print(f"\nbytes per call: skipped ({type(exc).__name__}: {exc})")
+    _module_latency(model, calls, rounds)
+
+
+def _bytes(model: nn.Module) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     inputs = torch.randn(8, 3, 8, 8)
     whole = _wire_bytes((echo, (model, inputs), {}))
@@ -166,6 +206,8 @@ def _driver(calls: int, rounds: int) -> None:
     pickled = len(pickle.dumps(model))
     print(f"  (for scale: pickle.dumps(model) is  {pickled:>12,})")
 
+
+def _module_latency(model: nn.Module, calls: int, rounds: int) -> None:
     # End-to-end latency of a module-argument call (structure cached after the first call).
     # End-to-end latency with a module argument vs raw RPC of the same tensors.
     tensors = [t.detach() for t in (*model.parameters(), *model.buffers())]
@@ -208,12 +250,64 @@ def _child(rank: int, port: int, calls: int, rounds: int) -> None:
     main()
 
 
+CHANNELS = ("default", "basic", "cma")
+
+
+def _channel_child(rank: int, port: int, channel: str, sizes: list[int], out: str) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=UserWarning)  # shutdown's gloo notice
+    chosen = {} if channel == "default" else {"_channels": [channel]}
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", _transports=["uv"], **chosen
+    )
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    try:
+        if rank == 0:
+            medians = {}
+            for n in sizes:
+                x = torch.randn(n)
+                calls = 40 if n >= 1 << 20 else 200
+                times = []
+                for _ in range(calls + 10):
+                    start = time.perf_counter()
+                    rpc.rpc_sync("worker1", echo, args=(x,))
+                    times.append(time.perf_counter() - start)
+                medians[str(n)] = statistics.median(times[10:]) * 1e3
+            Path(out).write_text(json.dumps(medians))
+    finally:
+        rpc.shutdown()
+
+
+def channels(rounds: int, sizes: list[int]) -> None:
+    runs: dict[str, list[dict[str, float]]] = {c: [] for c in CHANNELS}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "out.json")
+        for _ in range(rounds):
+            for channel in CHANNELS:
+                port = free_loopback_port()
+                mp.spawn(_channel_child, args=(port, channel, sizes, out), nprocs=2)
+                runs[channel].append(json.loads(Path(out).read_text()))
+    print(f"round trip, ms: median [min-max] over {rounds} worlds (torch {torch.__version__})")
+    print(f"{'size':>12} " + " ".join(f"{c:>22}" for c in CHANNELS))
+    for n in sizes:
+        cells = []
+        for channel in CHANNELS:
+            values = [r[str(n)] for r in runs[channel]]
+            cells.append(f"{statistics.median(values):8.3f} [{min(values):.3f}-{max(values):.3f}]")
+        print(f"{f'{n * 4 / 1000:g} KB':>12} " + " ".join(f"{c:>22}" for c in cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200, help="calls per timed round")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
     parser.add_argument("--quick", action="store_true", help="few calls, for a smoke run")
+    parser.add_argument("--channels", action="store_true", help="TensorPipe's channels instead")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 250_000, 4_000_000])
     args = parser.parse_args()
+    if args.channels:
+        channels(args.rounds, args.sizes)
+        return
     calls, rounds = (20, 3) if args.quick else (args.calls, args.rounds)
     mp.start_processes(
         _child,

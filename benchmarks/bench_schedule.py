@@ -19,7 +19,9 @@ within 1.15x of ideal and >= 1.3x faster than static; on the even batch dynamic 
 1.03x static), and checks that both schedules give the same loss. ``--costs 8,1,1,1,8,1,1,1``
 times that batch only (inner steps per task; target: dynamic >= 1.3x faster than static).
 
-Run: ``python benchmarks/bench_schedule.py`` (``--quick`` for a smoke run). With
+Run: ``python benchmarks/bench_schedule.py`` (``--quick`` for a smoke run; ``--json FILE`` saves
+the skewed batch's rounds for ``bench_overhead.py --summary``, the single process as the
+ideal's double). With
 ``--timeline DIR`` it also records one step of each schedule on the skewed batch with
 :func:`metadist.timeline.record`, saves the Chrome traces and draws them side by side in
 ``DIR/timeline-schedules.png``.
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument(
         "--costs", help="time only this batch: inner steps per task, e.g. 8,1,1,1,8,1,1,1"
     )
+    parser.add_argument("--json", type=Path, help="save the rounds' medians here")
     args = parser.parse_args()
     kinds = [args.costs] if args.costs else ["skewed", "random", "even"]
     cfg: dict[str, Any] = {
@@ -194,6 +197,12 @@ def main() -> None:
             back = [1 / r for r in ratios]
             print(f"  dynamic / static   {1 / r_static:5.2f} {spread_of(back)}  target <= 1.03")
         print(f"  same loss under both schedules: {res['same_loss']}")
+    if args.json and "skewed" in results:  # for bench_overhead.py --summary
+        t = results["skewed"]["timings"]
+        rounds = {"plain": [2 * i for i in t["ideal"]], "limit": t["ideal"]}
+        rounds.update({"md static": t["static"], "md W=2": t["dynamic"]})
+        row = {"base": "plain", "rounds": rounds}
+        args.json.write_text(json.dumps({"workloads": {"uneven tasks": row}}))
     if args.timeline:
         picture = args.timeline / "timeline-schedules.png"
         draw_timelines([args.timeline / "static.json", args.timeline / "dynamic.json"], picture)

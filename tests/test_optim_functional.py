@@ -1,4 +1,4 @@
-"""Functional optimizers vs torch.optim (and QHM vs its written-out rule), eager and scripted.
+"""Functional optimizers vs torch.optim (and QHM vs its written-out rule).
 
 No RPC here: every functional optimizer is stepped directly, 20 steps, with some gradients
 ``None`` (the parameter must be skipped exactly as torch.optim skips a parameter whose ``.grad``
@@ -7,10 +7,7 @@ is ``None``).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import re
-import warnings
 from typing import Any
 
 import pytest
@@ -30,10 +27,7 @@ from metadist.optim import (
     _local,
     get_functional_optimizer,
     register_functional_optimizer,
-    script_functional_optimizer,
 )
-from metadist.optim import scripting as _scripting
-from metadist.optim.scripting import torchscript_status
 
 STEPS = 20
 SHAPES = [(3, 4), (5,), (2, 2, 2), (1,)]
@@ -84,7 +78,7 @@ CASES: list[tuple[type, type, dict[str, Any]]] = [
 
 def _kernels(functional_class: type) -> list[str]:
     accepted = inspect.signature(functional_class.__init__).parameters
-    kernels = ["single", "scripted"]
+    kernels = ["single"]
     if "foreach" in accepted:
         kernels.append("foreach")
     if "fused" in accepted:
@@ -113,18 +107,7 @@ def _make(
     extra: dict[str, Any] = {}
     if kernel in ("foreach", "fused"):
         extra[kernel] = True
-    optim = functional_class(params, **kwargs, **extra)
-    if kernel == "scripted":
-        return script_functional_optimizer(optim)
-    return optim
-
-
-def _assert_cannot_script(optim: Any) -> None:
-    """Where torch cannot compile a class, scripting it fails naming the version and the fix."""
-    name, version = type(optim).__name__, re.escape(torch.__version__)
-    message = rf"cannot script {name}: TorchScript in torch {version} cannot compile.*eagerly"
-    with pytest.raises(RuntimeError, match=message):
-        script_functional_optimizer(optim)
+    return functional_class(params, **kwargs, **extra)
 
 
 @pytest.mark.parametrize(
@@ -138,9 +121,6 @@ def _assert_cannot_script(optim: Any) -> None:
 def test_functional_matches_torch_optim(
     torch_class: type, functional_class: type, kwargs: dict[str, Any], kernel: str
 ) -> None:
-    if kernel == "scripted" and not torchscript_status(functional_class)[0]:
-        _assert_cannot_script(functional_class([torch.zeros(1)], **kwargs))
-        return
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=gen) for s in SHAPES]
     ref_params = [torch.nn.Parameter(t.clone()) for t in init]
@@ -155,7 +135,7 @@ def test_functional_matches_torch_optim(
     for mine, theirs in zip(params, ref_params, strict=True):
         torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
     # Same state layout as torch.optim (what DistributedOptimizer.state_dict relies on).
-    state = optim.get_state() if kernel == "scripted" else optim.state
+    state = optim.state
     for p, ref_p in zip(params, ref_params, strict=True):
         ref_state = ref.state.get(ref_p, {})
         mine_state = state.get(p, {})
@@ -193,7 +173,7 @@ def _qhm_reference(
 
 
 @pytest.mark.parametrize("weight_decay_type", ["grad", "direct"])
-@pytest.mark.parametrize("kernel", ["single", "foreach", "scripted", "optimizer"])
+@pytest.mark.parametrize("kernel", ["single", "foreach", "optimizer"])
 def test_qhm_matches_update_rule(weight_decay_type: str, kernel: str) -> None:
     hyper = {"lr": 0.05, "momentum": 0.9, "nu": 0.7, "weight_decay": 0.1}
     gen = torch.Generator().manual_seed(3)
@@ -220,14 +200,10 @@ def test_qhm_matches_update_rule(weight_decay_type: str, kernel: str) -> None:
         )
         first_grads = plan[0]
         fopt.step(first_grads)
-        state = fopt.get_state() if kernel == "scripted" else fopt.state
-        buf_after_first = state[got[0]]["momentum_buffer"]
+        buf_after_first = fopt.state[got[0]]["momentum_buffer"]
         for grads in plan[1:]:
             fopt.step(grads)
-        state = fopt.get_state() if kernel == "scripted" else fopt.state
-        assert state[got[0]]["momentum_buffer"] is buf_after_first or torch.equal(
-            state[got[0]]["momentum_buffer"], buf_after_first
-        )
+        assert fopt.state[got[0]]["momentum_buffer"] is buf_after_first
     for mine, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(mine, ref, atol=1e-6, rtol=1e-6)
 
@@ -239,9 +215,9 @@ def test_owner_kernel_choice_is_overridable() -> None:
     """
     small = [torch.zeros(8), torch.zeros(8)]  # CPU floats, mean size small: fused and foreach fit
 
-    def build(cls: type, fcls: type, mode: str = "auto", **kwargs: Any) -> _local.Group:
+    def build(cls: type, fcls: type, **kwargs: Any) -> _local.Group:
         params = [t.clone() for t in small]
-        return _local.Group(_local.Spec(cls, fcls, mode, 1, True, 10.0), params, 0, kwargs)
+        return _local.Group(_local.Spec(cls, fcls, 1, True, 10.0), params, 0, kwargs)
 
     adam = {"lr": 0.1}
     qhm = {"lr": 0.1, "momentum": 0.9, "nu": 0.7}
@@ -283,8 +259,6 @@ def test_owner_kernel_choice_is_overridable() -> None:
         local.step(local.optim.params, list(grads))
     for mine, theirs in zip(local.optim.params, ref_params, strict=True):
         torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="cannot run under TorchScript"):
-        build(torch.optim.Adam, FunctionalAdam, "scripted", fused=True)
 
 
 def test_gradients_are_not_modified() -> None:
@@ -312,23 +286,6 @@ def test_bad_input_raises_with_names() -> None:
         QHM([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=1.5, nu=0.7)
     with pytest.raises(ValueError, match="Invalid learning rate"):
         FunctionalSGD([torch.zeros(1)], lr=-1.0)
-    # script_functional_optimizer checks its argument before compiling anything.
-    not_functional: list[tuple[Any, str]] = [
-        (3, r"optim must be a functional optimizer instance.*got 3 of type int.*step"),
-        (FunctionalAdam, r"optim must be .*got the class FunctionalAdam"),
-        (
-            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
-            r"optim must be .*got the torch.optim.Optimizer SGD",
-        ),
-        (object(), r"optim must be .*which has no step / state / defaults"),
-    ]
-    for value, message in not_functional:
-        with pytest.raises(TypeError, match=message):
-            script_functional_optimizer(value)
-    with pytest.raises(ValueError, match="built with fused=True"):
-        script_functional_optimizer(FunctionalAdam([torch.zeros(1)], fused=True))
-    with pytest.raises(ValueError, match="built with foreach=True"):
-        script_functional_optimizer(FunctionalSGD([torch.zeros(1)], lr=0.1, foreach=True))
 
 
 def test_registry_defaults_and_decorator() -> None:
@@ -371,6 +328,83 @@ def test_import_does_not_script() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_eager_optimizers_import_no_compiler() -> None:
+    """Making and stepping every functional class, and checking hyperparameters as torch.optim
+    does, import neither torch._dynamo (torch's Optimizer.add_param_group does on its first call)
+    nor torch.distributed.optim (FSDP and DTensor): 1-3 s of CPU in every owner's first step."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "import metadist.optim as mo\n"
+        "from metadist.optim.functional import checked_group\n"
+        "before = set(sys.modules)\n"
+        "for cls in (mo.FunctionalSGD, mo.FunctionalAdam, mo.FunctionalAdamW,\n"
+        "            mo.FunctionalAdagrad, mo.FunctionalRMSprop, mo.FunctionalAdamax,\n"
+        "            mo.FunctionalAdadelta, mo.FunctionalRprop):\n"
+        "    fused = ({}, {'fused': True}) if 'fused' in cls.__dataclass_fields__ else ({},)\n"
+        "    for kwargs in fused:\n"
+        "        p = [torch.ones(3), torch.ones(2)]\n"
+        "        cls(p, **kwargs).step([torch.ones(3), None])\n"
+        "mo.FunctionalQHM([torch.ones(3)], lr=0.1, momentum=0.9, nu=0.7).step([torch.ones(3)])\n"
+        "assert checked_group(torch.optim.Adam, lr=0.1, fused=True)['lr'] == 0.1\n"
+        "new = set(sys.modules) - before\n"
+        "bad = sorted(m for m in new if m.startswith(('torch._dynamo', 'torch.distributed.optim',\n"
+        "    'torch.distributed.fsdp', 'torch.distributed.tensor')))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("torch_class", "functional_class", "kwargs"),
+    [
+        (torch.optim.Adam, FunctionalAdam, {"lr": 0.01, "amsgrad": True}),
+        (torch.optim.AdamW, FunctionalAdamW, {"lr": 0.01}),
+    ],
+)
+def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[str, Any]) -> None:
+    """Fused Adam over many small parameters steps them as one flat buffer: same results and
+    state as torch.optim, a per-tensor fallback for partial steps, and a fresh start on load."""
+    gen = torch.Generator().manual_seed(5)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    ref_params = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = torch_class(ref_params, fused=True, **kwargs)
+    params = [t.clone() for t in init]
+    optim = functional_class(params, fused=True, **kwargs)
+    plan: list[list[torch.Tensor | None]] = [
+        [torch.randn(s, generator=gen) for s in SHAPES] for _ in range(12)
+    ]
+    plan[6][1] = plan[6][3] = None  # one partial step, taken per tensor
+    flat = []
+    for grads in plan:
+        for p, g in zip(ref_params, grads, strict=True):
+            p.grad = g
+        ref.step()
+        optim.step(list(grads))
+        flat.append(optim._flat is not None)
+    # The first step creates the state; a partial step drops the flat buffers, and as the
+    # parameters' step counts then differ, the rest goes per tensor.
+    assert flat == [False] + [True] * 5 + [False] * 6, flat
+    for mine, theirs in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
+    for p, ref_p in zip(params, ref_params, strict=True):
+        assert set(optim.state.get(p, {})) == set(ref.state.get(ref_p, {}))
+        for key, value in ref.state.get(ref_p, {}).items():
+            torch.testing.assert_close(optim.state[p][key], value, atol=1e-6, rtol=1e-6)
+    # Assigning a state (a load) drops the flat buffers; stepping adopts the new state.
+    optim.state = {p: {k: v.clone() for k, v in s.items()} for p, s in optim.state.items()}
+    for entry in optim.state.values():  # equal counts again: the state can be stepped flat
+        entry["step"] = torch.tensor(12.0)
+    assert optim._flat is None
+    full = [torch.ones(s) for s in SHAPES]
+    before = [p.clone() for p in params]
+    optim.step(full)
+    assert optim._flat is not None
+    assert all(not torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
 class _UserSGD(torch.optim.SGD):
     """A user's optimizer class whose functional twin takes no foreach/fused."""
 
@@ -387,80 +421,14 @@ class _FunctionalUserSGD:
                 p.sub_(g * self.defaults["lr"])
 
 
-def test_torchscript_removed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where torch.jit.script raises (as a later torch will): "auto" steps eagerly without trying
-    it, "scripted" and script_functional_optimizer fail naming the version and the way out."""
+def test_user_class_steps_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner steps a user's functional class eagerly, and compiles nothing."""
     calls: list[Any] = []
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args)
-        raise RuntimeError("TorchScript has been removed")
-
-    monkeypatch.setattr(torch.jit, "script", refuse)
-    _scripting.forget()
-    try:
-        assert _scripting.torchscript_status()[0] is False
-        calls.clear()
-
-        def build(mode: str) -> _local.Group:
-            spec = _local.Spec(_UserSGD, _FunctionalUserSGD, mode, 1, True, 10.0)
-            return _local.Group(spec, [torch.ones(2)], 0, {"lr": 0.5})
-
-        local = build("auto")
-        assert (local.mode, local.kernel, calls) == ("eager", "single-tensor", [])
-        local.step(local.optim.params, [torch.ones(2)])
-        assert torch.equal(local.optim.params[0], torch.full((2,), 0.5))
-        version = re.escape(torch.__version__)
-        with pytest.raises(RuntimeError, match=rf"torch {version}.*mode='eager'"):
-            build("scripted")
-        with pytest.raises(RuntimeError, match=rf"torch {version}.*eagerly"):
-            script_functional_optimizer(FunctionalSGD([torch.ones(1)], lr=0.1))
-    finally:
-        _scripting.forget()
-
-
-def test_auto_is_eager_and_scripted_is_quiet() -> None:
-    """Every supported torch deprecates TorchScript: "auto" steps a user's class eagerly;
-    "scripted" compiles it where torch can, silently (the warning is filtered inside metadist's
-    own call only)."""
-    spec = _local.Spec(_UserSGD, _FunctionalUserSGD, "auto", 1, True, 10.0)
-    assert _local.Group(spec, [torch.ones(2)], 0, {"lr": 0.5}).mode == "eager"
-    if not _scripting.torchscript_status()[0]:
-        pytest.skip(f"torch {torch.__version__} cannot script")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        param = torch.ones(2)
-        scripted = _local.Group(dataclasses.replace(spec, mode="scripted"), [param], 0, {"lr": 0.5})
-    assert scripted.mode == "scripted"
-    scripted.step([param], [torch.ones(2)])
+    original = torch.jit.script
+    monkeypatch.setattr(torch.jit, "script", lambda *a, **k: calls.append(a) or original(*a, **k))
+    spec = _local.Spec(_UserSGD, _FunctionalUserSGD, 1, True, 10.0)
+    param = torch.ones(2)
+    local = _local.Group(spec, [param], 0, {"lr": 0.5})
+    local.step([param], [torch.ones(2)])
+    assert (local.mode, local.kernel, calls) == ("eager", "single-tensor", [])
     assert torch.equal(param, torch.full((2,), 0.5))
-
-
-@pytest.mark.parametrize(
-    ("functional_class", "kwargs"),
-    [pytest.param(f, k, id=f"{f.__name__}-{n}") for n, (_, f, k) in enumerate(CASES)]
-    + [pytest.param(FunctionalQHM, {"lr": 0.1, "momentum": 0.9, "nu": 0.7}, id="FunctionalQHM")],
-)
-def test_scripted_and_eager_are_bit_identical(
-    functional_class: type, kwargs: dict[str, Any]
-) -> None:
-    """Wherever this torch scripts a class, its scripted step gives the eager one's parameters
-    and state bit for bit; where it cannot, the status says so and scripting fails clearly."""
-    gen = torch.Generator().manual_seed(7)
-    init = [torch.randn(s, generator=gen) for s in SHAPES]
-    eager_params, scripted_params = [t.clone() for t in init], [t.clone() for t in init]
-    eager = functional_class(eager_params, **kwargs)
-    if not torchscript_status(functional_class)[0]:
-        _assert_cannot_script(functional_class(scripted_params, **kwargs))
-        return
-    scripted = script_functional_optimizer(functional_class(scripted_params, **kwargs))
-    for grads in _grad_plan(8):
-        eager.step(grads)
-        scripted.step(grads)
-    for a, b in zip(eager_params, scripted_params, strict=True):
-        assert torch.equal(a, b)
-    state = scripted.get_state()
-    for p, q in zip(eager_params, scripted_params, strict=True):
-        assert set(eager.state.get(p, {})) == set(state.get(q, {}))
-        for key, value in eager.state.get(p, {}).items():
-            assert torch.equal(value, state[q][key]), key

@@ -82,10 +82,10 @@ ROWS = [
         r"mode.*'ghost'",
     ),
     Row(
-        "mode scripted without a twin",
+        "mode scripted (removed)",
         lambda fx: _opt(fx, fx.rrefs, cls=torch.optim.NAdam, mode={"worker1": "scripted"}),
-        RuntimeError,
-        r"mode='scripted': NAdam has no functional twin",
+        ValueError,
+        r"mode\['worker1'\] must be one of .*TorchScript's 'scripted' is gone",
     ),
     Row(
         "backward_passes_per_step 0",
@@ -99,7 +99,8 @@ ROWS = [
         ValueError,
         r"backward_passes_per_step",
     ),
-    Row("timeout 0", lambda fx: _opt(fx, fx.rrefs, timeout=0), ValueError, r"timeout"),
+    Row("timeout 0", lambda fx: _opt(fx, fx.rrefs, timeout=0), ValueError, r"between 0.001 and"),
+    Row("timeout 1e4 days", lambda fx: _opt(fx, fx.rrefs, timeout=8.64e8), ValueError, r"timeout"),
     Row("timeout inf", lambda fx: _opt(fx, fx.rrefs, timeout=float("inf")), ValueError, r"timeout"),
     Row(
         "step unknown context",
@@ -237,7 +238,7 @@ ROWS = [
         ValueError,
         r"growth_interval",
     ),
-    Row("scaler scale", lambda fx: fx.scaler.scale("loss"), TypeError, r"outputs"),
+    Row("scaler scale", lambda fx: fx.scaler.scale(3.0), ValueError, r"outputs must be a Tensor"),
     Row(
         "scaler step optimizer",
         lambda fx: fx.scaler.step(torch.optim.SGD([fx.local], lr=0.1), fx.cid),

@@ -1,5 +1,6 @@
-"""A world of 32 workers on this machine: start, a 32-way differentiable call, an optimizer step
-over parameters owned by all 32, and a clean shutdown, each timed.
+"""A world of 32 workers on this machine: start, a 32-way differentiable call (twice), optimizer
+steps over parameters owned by all 32 (the first and the second), and a clean shutdown, each
+timed; the first optimizer step costs at most twice the second.
 
 Kept out of ``make test`` (marker ``scale``, and skipped unless ``-m scale`` selects it): run it
 with ``python -m pytest -m scale -s tests/test_scale.py`` to see the timings.
@@ -56,45 +57,60 @@ def _resources() -> tuple[float, int, int]:
     return rss_mib, int(status["Threads"]), len(os.listdir("/proc/self/fd"))
 
 
-def _drive(world_size: int) -> dict[str, float]:
-    timings: dict[str, float] = {}
-    names = metadist.get_worker_names()
-
-    # A 32-way map/reduce whose gradient reaches the caller's weights.
+def _map_reduce(world_size: int, x: torch.Tensor, w: torch.nn.Parameter) -> float:
+    """A 32-way map/reduce whose gradient reaches the caller's weights; its seconds, checked
+    against one process."""
+    w.grad = None
     start = time.monotonic()
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(world_size * 2, 8, generator=generator)
-    # A parameter is replicated to every partition; the batch x is split.
-    w = torch.nn.Parameter(torch.randn(8, 3, generator=generator))
-    placed = metadist.remote_sync_call(_where, args=(x,))
-    assert sorted(placed) == sorted(names), placed  # one partition on every worker
     with metadist.autograd.context() as context_id:
         parts = metadist.remote_sync_call(_tanh_sum, args=(w, x))
         assert len(parts) == world_size
         loss = metadist.sum_reducer(parts)
         metadist.autograd.backward(context_id, [loss])
+    seconds = time.monotonic() - start
     local_w = w.detach().clone().requires_grad_()
     local_loss = _tanh_sum(local_w, x)
     local_loss.backward()
     torch.testing.assert_close(loss.detach(), local_loss.detach())
     assert w.grad is not None
     torch.testing.assert_close(w.grad, local_w.grad)
-    timings["map_reduce_s"] = time.monotonic() - start
+    return seconds
 
-    # One optimizer step over parameters owned by every worker.
+
+def _optimizer_step(opt: DistributedOptimizer, params: list[rpc.RRef[torch.Tensor]]) -> float:
+    """A backward through every owner and one step; its seconds."""
     start = time.monotonic()
-    params = [rpc.remote(name, _owned, args=(rank,)) for rank, name in enumerate(names)]
-    opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
     with dist_autograd.context() as context_id:
         futures = [rpc.rpc_async(p.owner(), _square_sum, args=(p,)) for p in params]
         total = torch.stack([future.wait() for future in futures]).sum()
         dist_autograd.backward(context_id, [total])
         opt.step(context_id)
-    for rank, param in enumerate(params):
-        # d/dp sum(p^2) = 2p, so SGD with lr 0.1 leaves 0.8 p.
-        value = rpc.rpc_sync(param.owner(), _value, args=(param,))
-        torch.testing.assert_close(value, torch.full((4,), 0.8 * (rank + 1)))
-    timings["optimizer_step_s"] = time.monotonic() - start
+    return time.monotonic() - start
+
+
+def _drive(world_size: int) -> dict[str, float]:
+    timings: dict[str, float] = {}
+    names = metadist.get_worker_names()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(world_size * 2, 8, generator=generator)
+    # A parameter is replicated to every partition; the batch x is split.
+    w = torch.nn.Parameter(torch.randn(8, 3, generator=generator))
+    placed = metadist.remote_sync_call(_where, args=(x,))
+    assert sorted(placed) == sorted(names), placed  # one partition on every worker
+    timings["first_map_reduce_s"] = _map_reduce(world_size, x, w)
+    timings["second_map_reduce_s"] = _map_reduce(world_size, x, w)
+
+    # Steps over parameters owned by every worker: the first one in each owner's process, then
+    # a second. d/dp sum(p^2) = 2p, so each SGD step with lr 0.1 multiplies p by 0.8.
+    params = [rpc.remote(name, _owned, args=(rank,)) for rank, name in enumerate(names)]
+    start = time.monotonic()
+    opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+    timings["optimizer_made_s"] = time.monotonic() - start
+    for which, factor in (("first", 0.8), ("second", 0.64)):
+        timings[f"{which}_optimizer_step_s"] = _optimizer_step(opt, params)
+        for rank, param in enumerate(params):
+            value = rpc.rpc_sync(param.owner(), _value, args=(param,))
+            torch.testing.assert_close(value, torch.full((4,), factor * (rank + 1)))
 
     # What a worker costs once it has served calls from the others.
     used = [rpc.rpc_sync(name, _resources) for name in names]
@@ -170,4 +186,12 @@ def test_world_of_32_on_one_machine(request: pytest.FixtureRequest) -> None:
         f"\nworld of {WORLD}: "
         + ", ".join(f"{name} {value:.4g}" for name, value in timings.items())
     )
+    for which in ("first", "second"):
+        print(f"{which} map/reduce {timings[f'{which}_map_reduce_s']:.3f} s")
+    print(f"optimizer made {timings['optimizer_made_s']:.3f} s")
+    first, second = timings["first_optimizer_step_s"], timings["second_optimizer_step_s"]
+    print(f"first optimizer step {first:.3f} s\nsecond optimizer step {second:.3f} s")
     assert timings["shutdown_s"] < 60, timings
+    # The first step pays no one-time cost on the owners (issue 41: 22-26 s, then 2x a later
+    # step's), with 50 ms for the noise of 32 processes on a small machine.
+    assert first <= 2 * second + 0.05, (first, second)

@@ -1,5 +1,5 @@
-"""Optimizers for metadist: functional ones (:class:`FunctionalSGD`, ..., :class:`FunctionalQHM`),
-eager or scripted, and :class:`DistributedOptimizer`, which steps parameters on their owners, with
+"""Optimizers for metadist: functional ones (:class:`FunctionalSGD`, ..., :class:`FunctionalQHM`)
+and :class:`DistributedOptimizer`, which steps parameters on their owners, with
 :class:`DistributedGradScaler` and :func:`clip_grad_norm_` (``docs/optim.md``)."""
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from metadist.optim.functional import (
     register_functional_optimizer,
 )
 from metadist.optim.qhm import QHM, qhm
-from metadist.optim.scripting import ScriptedFunctionalOptimizer, script_functional_optimizer
 
 __all__ = ["DistributedGradScaler", "DistributedOptimizer", "FunctionalAdadelta"]
 __all__ += ["FunctionalAdagrad", "FunctionalAdam", "FunctionalAdamW", "FunctionalAdamax"]
 __all__ += ["FunctionalQHM", "FunctionalRMSprop", "FunctionalRprop", "FunctionalSGD", "QHM"]
-__all__ += ["ScriptedFunctionalOptimizer", "clip_grad_norm_", "get_functional_optimizer", "qhm"]
-__all__ += ["register_functional_optimizer", "script_functional_optimizer"]
+__all__ += ["clip_grad_norm_", "get_functional_optimizer", "qhm", "register_functional_optimizer"]

@@ -18,12 +18,11 @@ from torch import Tensor
 
 from metadist.autograd import gradients_here
 from metadist.optim.functional import flat_hparams
-from metadist.optim.scripting import script_functional_optimizer
 from metadist.world import use_process_threads
 
 __all__: list[str] = []
 
-MODES = ("auto", "eager", "scripted")
+MODES = ("auto", "eager")  # the same now: TorchScript's "scripted" is gone
 # Below this mean element count per parameter, torch's multi-tensor kernels beat a per-tensor loop
 # on CPU (measured: 100 x 1,000 Adam 1.1 ms vs 1.8 ms; 10 x 100,000 2.6 ms vs 0.9 ms).
 FOREACH_MAX_MEAN_NUMEL = 1 << 15
@@ -42,7 +41,6 @@ class Spec:
 
     optimizer_class: type
     functional_class: type | None
-    mode: str
     passes_per_step: int
     average: bool
     timeout: float
@@ -55,7 +53,9 @@ class TimedLock:
     __slots__ = ("lock", "timeout", "what")
 
     def __init__(self, timeout: float, what: str) -> None:
-        self.lock, self.timeout, self.what = threading.Lock(), timeout, what
+        self.lock = threading.Lock()
+        self.timeout = timeout
+        self.what = what
 
     def __enter__(self) -> None:
         if not self.lock.acquire(timeout=self.timeout if self.timeout > 0 else -1):
@@ -95,9 +95,9 @@ class Group:
 
     def __init__(self, spec: Spec, params: list[Tensor], start: int, hparams: dict[str, Any]):
         self.start, self.stop = start, start + len(params)
-        self.optim: Any  # a functional optimizer, its scripted module, or a torch.optim.Optimizer
+        self.optim: Any  # a functional optimizer, or a torch.optim.Optimizer
         cls = spec.functional_class
-        if cls is None:  # (the caller refused mode="scripted" for it)
+        if cls is None:
             self.mode, self.kernel = "torch", "torch.optim"
             ctor = constructor_kwargs(spec.optimizer_class, hparams)
             self.optim = spec.optimizer_class([{**hparams, "params": params}], **ctor)
@@ -105,18 +105,11 @@ class Group:
         accepted = set(inspect.signature(cls).parameters)
         kwargs = {k: v for k, v in hparams.items() if k in accepted and k != "params"}
         foreach, fused = kwargs.pop("foreach", None), kwargs.pop("fused", None)
-        # "auto" is eager: every torch metadist supports deprecates TorchScript.
-        mode = "eager" if spec.mode == "auto" else spec.mode
-        if mode == "scripted" and (foreach or fused):
-            raise ValueError("foreach=True / fused=True cannot run under TorchScript; use 'eager'")
-        self.mode, self.kernel = mode, "single-tensor"
-        if mode == "eager":  # (the caller refused foreach=True with fused=True)
-            self.kernel = eager_kernel(accepted, params, foreach, fused)
-            if self.kernel != "single-tensor":
-                kwargs[self.kernel] = True
+        # (the caller refused foreach=True with fused=True)
+        self.mode, self.kernel = "eager", eager_kernel(accepted, params, foreach, fused)
+        if self.kernel != "single-tensor":
+            kwargs[self.kernel] = True
         self.optim = cls(params, **kwargs)
-        if mode == "scripted":
-            self.optim = script_functional_optimizer(self.optim)
         # An unasked fused kernel, and how to make the group's optimizer without it.
         self.unfuse: Any = None
         if self.kernel == "fused" and fused is None:
@@ -128,29 +121,22 @@ class Group:
         sparse gradient (an embedding's), and torch.optim picks them only when asked. State
         kept."""
         kernel, kwargs, cls = self.unfuse()
-        state, defaults = self.get("state"), self.get("defaults")
-        self.kernel, self.unfuse = kernel, None
+        before = self.optim
+        self.kernel = kernel
+        self.unfuse = None
         self.optim = cls(params, **kwargs, **({kernel: True} if kernel != "single-tensor" else {}))
-        self.set("state", state)
-        self.set("defaults", defaults)
+        self.optim.state = before.state
+        self.optim.defaults = before.defaults
 
-    def get(self, name: str) -> Any:  # ``state`` or ``defaults`` (scripted: by method)
-        if self.mode == "scripted":
-            return getattr(self.optim, f"get_{name}")()
-        return getattr(self.optim, name)
-
-    def set(self, name: str, value: Any) -> None:
-        if self.mode == "scripted":
-            getattr(self.optim, f"set_{name}")(value)
-        else:  # (torch.optim keeps its state in a defaultdict)
-            setattr(self.optim, name, defaultdict(dict, value) if self.mode == "torch" else value)
+    def set(self, name: str, value: Any) -> None:  # (torch.optim keeps its state in a defaultdict)
+        setattr(self.optim, name, defaultdict(dict, value) if self.mode == "torch" else value)
 
     def update(self, hparams: dict[str, Any]) -> None:  # torch's param-group names
         if self.mode == "torch":
             self.optim.param_groups[0].update(hparams)
         else:
             flat = flat_hparams(hparams)
-            self.set("defaults", {k: flat.get(k, v) for k, v in self.get("defaults").items()})
+            self.optim.defaults = {k: flat.get(k, v) for k, v in self.optim.defaults.items()}
 
     def step(self, params: list[Tensor], grads: list[Tensor | None]) -> None:
         if self.mode != "torch":
@@ -182,7 +168,8 @@ class LocalOptimizer:
 
     def add(self, index: int, param_rrefs: list[rpc.RRef[Tensor]], hparams: dict[str, Any]) -> None:
         """Add this owner's share of param group ``index``."""
-        here, params = rpc.get_worker_info().name, [r.local_value() for r in param_rrefs]
+        here = rpc.get_worker_info().name
+        params = [r.local_value() for r in param_rrefs]
         if bad := [i for i, value in enumerate(params) if not isinstance(value, Tensor)]:
             kind = type(params[bad[0]]).__name__
             raise TypeError(f"parameter RRef {bad[0]} on {here} holds a {kind}, not a torch.Tensor")
@@ -208,10 +195,7 @@ class LocalOptimizer:
         if not apply:
             return grads
         if self.accum is not None:
-            grads = [
-                a if g is None else g if a is None else a + g
-                for a, g in zip(self.accum, grads, strict=True)
-            ]
+            grads = [_add(a, g) for a, g in zip(self.accum, grads, strict=True)]
         n = self.spec.passes_per_step
         if self.spec.average and n > 1:
             grads = [None if g is None else g / n for g in grads]
@@ -268,8 +252,10 @@ class LocalOptimizer:
     def state(self) -> tuple[list[dict[str, Any] | None], list[Tensor | None] | None]:
         """Copies of the state (per parameter) and of the window."""
         with self.lock:
-            by_id = {id(p): s for g in self.groups.values() for p, s in g.get("state").items()}
-            states = [copy.deepcopy(s) if (s := by_id.get(id(p))) else None for p in self.params]
+            by_id = {id(p): s for g in self.groups.values() for p, s in g.optim.state.items()}
+            # Tensors cloned, not deep-copied: a deep copy of a view (a flat-stepped parameter's
+            # state) copies its whole buffer.
+            states = [_copy(by_id[id(p)]) if by_id.get(id(p)) else None for p in self.params]
             return states, copy.deepcopy(self.accum)
 
     def load_state(
@@ -306,6 +292,17 @@ class LocalOptimizer:
         return modes, kernels, len(self.params)
 
 
+def _copy(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in state.items()}
+
+
+def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """``a + b``, where a missing gradient (``None``) adds nothing."""
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
 def _as_state(value: Any, param: Tensor, tensors_only: bool) -> Any:
     if not isinstance(value, Tensor):
         return torch.tensor(value) if tensors_only else value
@@ -321,12 +318,14 @@ def add(
     """Add this owner's share of param group ``index`` to its local optimizer ``key`` (``None``:
     a new one); return an RRef that keeps a new one alive, and the key (RPC target)."""
     use_process_threads()
-    local, rref = (_LIVE[key], None) if key is not None else (LocalOptimizer(spec), None)
+    if key is not None:
+        _LIVE[key].add(index, rrefs, hparams)
+        return None, key
+    local = LocalOptimizer(spec)
     local.add(index, rrefs, hparams)
-    if key is None:
-        key, rref = next(_keys), rpc.RRef(local)
-        _LIVE[key] = local
-    return rref, key
+    key = next(_keys)
+    _LIVE[key] = local
+    return rpc.RRef(local), key
 
 
 def call(key: int, method: str, *args: Any) -> Any:

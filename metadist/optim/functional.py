@@ -2,9 +2,10 @@
 per parameter (``None`` leaves a parameter and its state alone), never through ``.grad``.
 
 Each class takes ``(params, <its torch.optim class's hyperparameters>)``, checked by that class's
-constructor, and steps torch's functional optimizer for it (``torch.distributed.optim``'s; QHM's
-is :class:`QHMTwin`): ``state`` as in ``torch.optim``, float hyperparameters in ``defaults``
-(tuples split: ``betas`` -> ``beta1``/``beta2``, see :data:`TUPLE_KEYS`).
+constructor, and steps with torch's own functional kernel (``torch.optim.adam.adam`` and
+friends; :func:`metadist.optim.qhm.qhm` for QHM), so results match ``torch.optim``: ``state`` as
+``torch.optim`` keeps it, float hyperparameters in ``defaults`` (tuples split: ``betas`` ->
+``beta1``/``beta2``, see :data:`TUPLE_KEYS`), boolean ones in ``flags``.
 
 Example:
     >>> import torch
@@ -17,19 +18,28 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-import warnings
+import types
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.optim.adadelta import adadelta
+from torch.optim.adagrad import adagrad
+from torch.optim.adam import adam
+from torch.optim.adamax import adamax
+from torch.optim.adamw import adamw
+from torch.optim.rmsprop import rmsprop
+from torch.optim.rprop import rprop
+from torch.optim.sgd import sgd
 
-from metadist._quiet import quiet_torch_warnings
-from metadist.optim.qhm import QHM, QHMTwin
+from metadist.optim.qhm import QHM, qhm
 
 __all__ = ["FunctionalAdadelta", "FunctionalAdagrad", "FunctionalAdam", "FunctionalAdamW"]
 __all__ += ["FunctionalAdamax", "FunctionalOptimizer", "FunctionalQHM", "FunctionalRMSprop"]
-__all__ += ["FunctionalRprop", "FunctionalSGD", "TUPLE_KEYS", "flat_hparams"]
+__all__ += ["FunctionalRprop", "FunctionalSGD", "TUPLE_KEYS", "checked_group", "flat_hparams"]
 __all__ += ["get_functional_optimizer", "register_functional_optimizer"]
 
 # Tuple-valued torch hyperparameters and the float names functional optimizers keep them under.
@@ -46,57 +56,141 @@ def flat_hparams(hparams: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in hparams.items():
         if key in TUPLE_KEYS:
-            out[TUPLE_KEYS[key][0]], out[TUPLE_KEYS[key][1]] = float(value[0]), float(value[1])
+            out[TUPLE_KEYS[key][0]] = float(value[0])
+            out[TUPLE_KEYS[key][1]] = float(value[1])
         elif not isinstance(value, bool | str | type(None)):
             out[key] = float(value)
     return out
 
 
+def checked_group(cls: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Build the ``torch.optim.Optimizer`` subclass ``cls`` over a probe tensor, so that its
+    constructor checks the hyperparameters as torch.optim does, and return its param group
+    without ``params``.
+
+    torch's ``Optimizer.add_param_group``, which every constructor calls, imports
+    ``torch._dynamo`` on its first call, only to leave it out (0.8-1.9 s of CPU, paid by every
+    process that makes an optimizer): the probe calls the function it wraps instead."""
+    probe = cls.__new__(cls)
+    base = torch.optim.Optimizer.add_param_group
+    if getattr(cls, "add_param_group", None) is base:  # (a class's own is left alone)
+        add = getattr(base, "__wrapped__", base)
+        probe.add_param_group = types.MethodType(add, probe)
+    probe.__init__([torch.zeros(1, requires_grad=True)], *args, **kwargs)
+    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+
+
+@functools.cache
+def plan(kernel: Callable[..., None]) -> tuple[list[str], str, list[str]]:
+    """How to call ``kernel``, read from its signature: after ``params`` and ``grads`` come its
+    state lists, named here after the state torch.optim keeps (``exp_avg_sqs``: ``exp_avg_sq``,
+    ``state_steps``: ``step``, ``momentum_buffer_list``: ``momentum_buffer``), then its other
+    arguments. Returns the state names in order, the one the kernel fills in itself (or ``""``),
+    and the names of the other arguments."""
+    names: list[str] = []
+    lazy_name = ""
+    keywords: list[str] = []
+    for param in list(inspect.signature(kernel).parameters.values())[2:]:
+        annotation = str(param.annotation)
+        if not annotation.startswith(("list[", "List[")):
+            keywords.append(param.name)
+            continue
+        name = param.name.removeprefix("state_")
+        names.append(name.removesuffix("_list") if name.endswith("_list") else name[:-1])
+        if "None" in annotation or "Optional" in annotation:
+            lazy_name = names[-1]
+    return names, lazy_name, keywords
+
+
+# Below this mean element count per parameter, one fused Adam call over flat buffers beats
+# torch's fused kernel called once per tensor (about 3 us each on CPU), copies included.
+FLAT_MAX_MEAN_NUMEL = 4096
+
+
+class _Flat:
+    """The state of many small parameters in one buffer per name (the parameters' state entries
+    become views of it), with buffers the parameters and gradients are copied into: a step is
+    one kernel call. The parameters' "step" counters share one tensor while this is in use."""
+
+    def __init__(self, params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> None:
+        sizes = [p.numel() for p in params]
+        first = params[0]
+        self.param = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+        self.grad = torch.empty_like(self.param)
+        views = zip(self.param.split(sizes), self.grad.split(sizes), params, strict=True)
+        self.param_views = [v.view_as(p) for v, _, p in views]
+        self.grad_views = [
+            g.view_as(p) for g, p in zip(self.grad.split(sizes), params, strict=True)
+        ]
+        entry: dict[str, Tensor] = {}
+        for name in state[first]:
+            if name == "step":
+                entry[name] = state[first][name].clone()
+                for p in params:
+                    state[p][name] = entry[name]
+                continue
+            entry[name] = torch.cat([state[p][name].reshape(-1) for p in params])
+            for p, view in zip(params, entry[name].split(sizes), strict=True):
+                state[p][name] = view.view_as(p)
+        self.state = {self.param: entry}
+
+    @staticmethod
+    def adoptable(params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> bool:
+        """Whether every parameter has state of the same names (Adam's) and the same step count."""
+        names = set(state.get(params[0], ()))
+        if not names or any(p not in state or set(state[p]) != names for p in params):
+            return False
+        steps = torch.stack([state[p]["step"] for p in params])
+        return bool((steps == steps[0]).all())
+
+
 @dataclasses.dataclass(eq=False, repr=False)
 class FunctionalOptimizer:
     """What the functional optimizers share. Each one is a dataclass of its constructor's
-    arguments (which keep the constructor's values), stepping ``optim``: torch's functional
-    optimizer for ``torch_class`` (TorchScript-compatible; :class:`QHMTwin` for QHM)."""
+    arguments (which keep the constructor's values; ``defaults`` holds the ones ``step`` uses)."""
 
     torch_class: ClassVar[type]  # whose constructor checks the hyperparameters
+    _kernel: ClassVar[Callable[..., None]]  # torch's functional kernel for it
+    # State kept only while a flag or hyperparameter is set, and state that starts at a
+    # hyperparameter's value rather than at zero.
+    switches: ClassVar[dict[str, str]] = {}
+    fills: ClassVar[dict[str, str]] = {}
+    upfront: ClassVar[bool] = False  # state made at construction (Adagrad's), not at first step
     params: list[Tensor]
 
     def __post_init__(self) -> None:
-        hyper = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}  # not params
-        self.torch_class([torch.zeros(1, requires_grad=True)], **hyper)  # torch.optim's checks
-        # Imported on first use: torch then scripts its twins (about a second), quietly.
-        with quiet_torch_warnings():
-            from torch.distributed.optim.utils import functional_optim_map
+        hyper = self._hyper()
+        checked_group(self.torch_class, **hyper)  # torch.optim's own checks and messages
+        self.defaults = flat_hparams(hyper)
+        self.flags = {k: bool(v) for k, v in hyper.items() if isinstance(v, bool) or v is None}
+        self._strings = {k: v for k, v in hyper.items() if isinstance(v, str)}  # QHM's
+        self.state = {}
+        if self.upfront:
+            self._lists(self.params, self.state)
+        # Flat stepping pays off for fused Adam/AdamW over many small real tensors of one kind
+        # (SGD's update is too cheap to win back the copies).
+        kinds = {(p.dtype, p.device, p.layout) for p in self.params}
+        self._flattens = (
+            self._kernel in (adam, adamw)
+            and self.flags.get("fused", False)
+            and len(self.params) > 1
+            and sum(p.numel() for p in self.params) <= FLAT_MAX_MEAN_NUMEL * len(self.params)
+            and kinds == {(self.params[0].dtype, self.params[0].device, torch.strided)}
+            and not any(torch.is_complex(p) for p in self.params)
+        )
 
-        twins = {**functional_optim_map, QHM: QHMTwin}
-        twin = twins[torch.optim.AdamW if hyper.get("decoupled_weight_decay") else self.torch_class]
-        accepted = inspect.signature(twin).parameters
-        given = {**hyper, "_allow_empty_param_list": True}
-        kwargs = {k: False if v is None else v for k, v in given.items() if k in accepted}
-        # The twins warn at construction that TorchScript is deprecated, under "always": only
-        # recording the warning drops it.
-        with warnings.catch_warnings(record=True):
-            self.optim = twin(self.params, **kwargs)
-        # Floats only (an int lr too): TorchScript types the dict by its values.
-        self.optim.defaults = {k: float(v) for k, v in self.optim.defaults.items()}
+    def _hyper(self) -> dict[str, Any]:  # the constructor's arguments but params, by name
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}
 
     @property
     def state(self) -> dict[Tensor, dict[str, Tensor]]:
         """``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it; assign to replace it."""
-        return self.optim.state
+        return self._state
 
     @state.setter
     def state(self, value: dict[Tensor, dict[str, Tensor]]) -> None:
-        self.optim.state = value
-
-    @property
-    def defaults(self) -> dict[str, float]:
-        """The float hyperparameters ``step`` uses, by name; assign to replace them."""
-        return self.optim.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, float]) -> None:
-        self.optim.defaults = value
+        self._state = value
+        self._flat: _Flat | None = None
 
     def step(self, gradients: list[Tensor | None]) -> None:
         """Update every parameter whose gradient is not ``None``, in place.
@@ -107,19 +201,79 @@ class FunctionalOptimizer:
         Raises:
             ValueError: If ``len(gradients) != len(params)``.
         """
-        if (n := len(gradients)) != len(self.params):
-            raise ValueError(f"gradients has {n} entries, one per parameter: {len(self.params)}")
-        # torch's Adagrad twin hands its kernel every parameter, with a gradient or not: every
-        # twin gets only the parameters that have one.
-        kept = [i for i, g in enumerate(gradients) if g is not None]
-        self.optim.param_group["params"] = [self.params[i] for i in kept]
-        try:
-            self.optim.step([gradients[i] for i in kept])
-        finally:
-            self.optim.param_group["params"] = self.params
+        full = len(gradients) == len(self.params) and all(g is not None for g in gradients)
+        if self._flattens and full:  # (not `None in gradients`: == on 100 tensors costs 1 ms)
+            if self._flat is None and _Flat.adoptable(self.params, self.state):
+                self._flat = _Flat(self.params, self.state)
+            if (flat := self._flat) is not None:
+                # Copied in every step: the parameters may have changed since the last one.
+                with torch.no_grad():
+                    torch._foreach_copy_(flat.param_views, self.params)
+                    torch._foreach_copy_(flat.grad_views, gradients)  # type: ignore[arg-type]
+                    self._run([flat.param], [flat.grad], flat.state)
+                    torch._foreach_copy_(self.params, flat.param_views)
+                return
+        if self._flat is not None:  # each parameter's own step counter back, for per-tensor steps
+            for entry in self.state.values():
+                entry["step"] = entry["step"].clone()
+            self._flat = None
+        self._run(self.params, gradients, self.state)
+
+    def _keeps(self, name: str) -> bool:
+        """Whether the state ``name`` is in use: it has no switch, or its switch (a flag or a
+        hyperparameter: ``amsgrad``, ``momentum``) is set."""
+        switch = self.switches.get(name, "")
+        return switch == "" or self.flags.get(switch, False) or self.defaults.get(switch, 0.0) != 0
+
+    def _lists(self, kept: list[Tensor], state: Any) -> dict[str, list[Any]]:
+        """One list per state name of the kernel (empty where not kept), the state made at a
+        parameter's first step as torch.optim makes it."""
+        names, lazy_name, _ = plan(self._kernel)
+        made = [n for n in names if n != lazy_name and self._keeps(n)]
+        fused = self.flags.get("fused", False)
+        lists: dict[str, list[Any]] = {n: [] for n in names}
+        for p in kept:
+            entry = state.setdefault(p, {})
+            for name in made:
+                if name not in entry and name == "step" and fused:  # (float32, on p's device)
+                    entry[name] = torch.zeros((), dtype=torch.float32, device=p.device)
+                elif name not in entry and name == "step":  # (the default dtype, on the CPU)
+                    entry[name] = torch.tensor(0.0)
+                elif name not in entry:
+                    fill = self.defaults[self.fills[name]] if name in self.fills else 0.0
+                    entry[name] = torch.full_like(p, fill)
+                lists[name].append(entry[name])
+            if lazy_name:  # the list the kernel fills in itself (SGD's momentum buffers)
+                lists[lazy_name].append(entry.get(lazy_name))
+            if not entry:  # (SGD without momentum keeps nothing)
+                del state[p]
+        return lists
+
+    def _run(self, params: list[Tensor], gradients: list[Tensor | None], state: Any) -> None:
+        """torch's kernel over the parameters that have a gradient, with their state and every
+        other argument the kernel takes that is known here."""
+        if len(gradients) != len(params):
+            raise ValueError(
+                f"gradients has {len(gradients)} entries, one per parameter: {len(params)}"
+            )
+        _, lazy_name, keywords = plan(self._kernel)
+        kept = [p for p, g in zip(params, gradients, strict=True) if g is not None]
+        grads = [g for g in gradients if g is not None]
+        lists = self._lists(kept, state)
+        values: dict[str, Any] = {**self._strings, **self.defaults, **self.flags}
+        values["has_complex"] = any(torch.is_complex(p) for p in kept)
+        values["has_sparse_grad"] = any(g.is_sparse for g in grads)
+        with torch.no_grad():
+            self._kernel(
+                kept, grads, *lists.values(), **{k: values[k] for k in keywords if k in values}
+            )
+        if lazy_name and self._keeps(lazy_name):
+            for p, buf in zip(kept, lists[lazy_name], strict=True):
+                if buf is not None:
+                    state[p] = {lazy_name: buf}
 
 
-def _functional(torch_class: type) -> Any:
+def _functional(torch_class: type, kernel: Callable[..., None], **class_vars: Any) -> Any:
     """A functional optimizer class for ``torch_class``: a dataclass of ``params`` and the
     hyperparameters of its constructor (same names, defaults, keyword-only ones; without
     ``capturable`` and ``differentiable``, which stepping outside autograd and graphs excludes)."""
@@ -135,12 +289,16 @@ def _functional(torch_class: type) -> Any:
     doc = [f"{name} on explicit gradients; matches ``{torch_name}``, whose hyperparameters it"]
     doc += ["takes (same names and defaults).", "", "Args:", "    params: Parameters to update."]
     doc += [f"    {f[0]}: As in ``{torch_name}``." for f in fields]
-    namespace = {"torch_class": torch_class, "__doc__": "\n".join(doc)}
+    namespace = {
+        "torch_class": torch_class,
+        "_kernel": staticmethod(kernel),
+        "__doc__": "\n".join(doc),
+    }
     cls = dataclasses.make_dataclass(
         "Functional" + name,
         fields,
         bases=(FunctionalOptimizer,),
-        namespace=namespace,
+        namespace={**namespace, **class_vars},
         eq=False,
         repr=False,
     )
@@ -151,15 +309,20 @@ def _functional(torch_class: type) -> Any:
     return cls
 
 
-FunctionalSGD = _functional(torch.optim.SGD)
-FunctionalAdam = _functional(torch.optim.Adam)
-FunctionalAdamW = _functional(torch.optim.AdamW)
-FunctionalAdagrad = _functional(torch.optim.Adagrad)
-FunctionalRMSprop = _functional(torch.optim.RMSprop)
-FunctionalAdamax = _functional(torch.optim.Adamax)
-FunctionalAdadelta = _functional(torch.optim.Adadelta)
-FunctionalRprop = _functional(torch.optim.Rprop)
-FunctionalQHM = _functional(QHM)
+FunctionalSGD = _functional(torch.optim.SGD, sgd, switches={"momentum_buffer": "momentum"})
+FunctionalAdam = _functional(torch.optim.Adam, adam, switches={"max_exp_avg_sq": "amsgrad"})
+FunctionalAdamW = _functional(torch.optim.AdamW, adamw, switches={"max_exp_avg_sq": "amsgrad"})
+# Adagrad's state exists from construction on, starting at initial_accumulator_value.
+FunctionalAdagrad = _functional(
+    torch.optim.Adagrad, adagrad, fills={"sum": "initial_accumulator_value"}, upfront=True
+)
+FunctionalRMSprop = _functional(
+    torch.optim.RMSprop, rmsprop, switches={"grad_avg": "centered", "momentum_buffer": "momentum"}
+)
+FunctionalAdamax = _functional(torch.optim.Adamax, adamax)
+FunctionalAdadelta = _functional(torch.optim.Adadelta, adadelta)
+FunctionalRprop = _functional(torch.optim.Rprop, rprop, fills={"step_size": "lr"})
+FunctionalQHM = _functional(QHM, qhm)
 
 
 # -- which functional optimizer stands in for which torch.optim class --------------------------
@@ -204,9 +367,7 @@ def register_functional_optimizer(
                 f"{optimizer_class.__name__} unregistered to run it as itself"
             )
         if not callable(getattr(cls, "step", None)):
-            raise TypeError(
-                f"functional_class must define step(gradients); {cls.__name__} does not"
-            )
+            raise TypeError(f"functional_class must define step(gradients); {cls.__name__} doesn't")
         _REGISTRY[optimizer_class] = cls
         return cls
 

@@ -1,4 +1,5 @@
-# qhm() and QHMTwin are compiled by TorchScript (no `not in {...}`); qhm mirrors qhoptim.
+# qhm() stays TorchScript-compatible (no `not in {...}`: a user's twin may script it); it mirrors
+# qhoptim.
 # ruff: noqa: PLR1714, PLR0917
 """Quasi-hyperbolic momentum (QHM, Ma & Yarats 2019, as facebookresearch/qhoptim), averaging a
 plain SGD step and a momentum step, and a ``torch.optim.Optimizer`` for it::
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["QHM", "QHMTwin", "qhm"]
+__all__ = ["QHM", "qhm"]
 
 
 def qhm(
@@ -72,49 +73,6 @@ def qhm(
         torch._foreach_add_(ps, gs, alpha=-lr * (1.0 - nu))
 
 
-class QHMTwin:
-    """:class:`QHM` on explicit gradients, for TorchScript as torch's functional optimizers are
-    (what ``FunctionalQHM`` steps; its arguments are :class:`QHM`'s)."""
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        lr: float,
-        momentum: float,
-        nu: float,
-        weight_decay: float = 0.0,
-        weight_decay_type: str = "grad",
-        maximize: bool = False,
-        foreach: bool = False,
-    ) -> None:
-        self.defaults = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
-        self.weight_decay_type = weight_decay_type
-        self.maximize = maximize
-        self.foreach = foreach
-        self.param_group = {"params": params}
-        self.state = torch.jit.annotate(dict[Tensor, dict[str, Tensor]], {})
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        """Step every parameter whose gradient is not ``None``.
-
-        Args:
-            gradients: One per parameter, in order.
-        """
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        bufs: list[Tensor] = []
-        for p, g in zip(self.param_group["params"], gradients):  # noqa: B905 (TorchScript)
-            if g is not None:
-                if p not in self.state:  # created once: the buffer persists
-                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
-                params.append(p)
-                grads.append(g)
-                bufs.append(self.state[p]["momentum_buffer"])
-        d, flags = self.defaults, (self.weight_decay_type, self.maximize, self.foreach)
-        with torch.no_grad():
-            qhm(params, grads, bufs, d["lr"], d["momentum"], d["nu"], d["weight_decay"], *flags)
-
-
 class QHM(torch.optim.Optimizer):
     """Quasi-hyperbolic momentum as a ``torch.optim.Optimizer`` (its functional twin:
     :class:`metadist.optim.FunctionalQHM`).
@@ -156,9 +114,9 @@ class QHM(torch.optim.Optimizer):
         ):
             if not ok:
                 raise ValueError(f"{name} must be {expected}, got {value!r}")
-        names = ("lr", "momentum", "nu", "weight_decay", "weight_decay_type", "maximize", "foreach")
-        values = (lr, momentum, nu, weight_decay, weight_decay_type, maximize, foreach)
-        super().__init__(params, dict(zip(names, values, strict=True)))
+        hyper = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
+        flags = {"weight_decay_type": wdt, "maximize": maximize, "foreach": foreach}
+        super().__init__(params, {**hyper, **flags})
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -178,12 +136,17 @@ class QHM(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            grads = [p.grad for p in group["params"]]
-            if any(g is not None and g.is_sparse for g in grads):
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            if any(g.is_sparse for g in grads):
                 raise RuntimeError("QHM does not support sparse gradients")
-            lr, mom, nu, wd = (float(group[k]) for k in ("lr", "momentum", "nu", "weight_decay"))
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:  # created once: the buffer persists
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            lr, momentum, nu, decay = (
+                float(group[k]) for k in ("lr", "momentum", "nu", "weight_decay")
+            )
             flags = str(group["weight_decay_type"]), bool(group["maximize"]), bool(group["foreach"])
-            twin = QHMTwin(group["params"], lr, mom, nu, wd, *flags)
-            twin.state = self.state  # (its momentum buffers persist there)
-            twin.step(grads)
+            qhm(params, grads, bufs, lr, momentum, nu, decay, *flags)
         return loss
