@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_overhead as workload
 
 import metadist
-from metadist import autograd
+from metadist import link
 from metadist import worker as remote_worker
 from metadist.network import free_loopback_port
 
@@ -92,7 +92,7 @@ def _instrument() -> None:
     _around(rpc_api._default_pickler, "serialize", "pickle")
     _around(rpc_api._default_pickler, "deserialize", "unpickle")
     _around(remote_worker, "_vjp", "vjp")
-    _around(getattr(autograd, "RemoteGradients", None), "collect", "collect")
+    _around(link.RemoteGradients, "collect", "collect")
 
 
 def noop(*_: Any) -> int:

@@ -51,9 +51,10 @@ from torch import nn
 import metadist
 from metadist import structure, transport
 from metadist.api import remote_sync_call
+from metadist.messages import CallerState, Request
 from metadist.network import free_loopback_port
 from metadist.reduce import sum_reducer
-from metadist.worker import CallerState, Request, run_partition
+from metadist.worker import run_partition
 
 WORLD_SIZE = 3
 
@@ -194,8 +195,19 @@ def _bytes(model: nn.Module) -> None:
     size = len(structure.plan_for(model, str)[0].structure)
 
     def sent(encoded: tuple[Any, ...]) -> int:
-        state = CallerState.here()
-        request = Request(echo, encoded[0], encoded[1], True, None, state, 1, False, False, ())
+        request = Request(
+            func=echo,
+            args=encoded[0],
+            kwargs=encoded[1],
+            decode=True,
+            compression=None,
+            state=CallerState.here(),
+            graph=1,
+            attached=False,
+            in_context=False,
+            timed=False,
+            release=(),
+        )
         return _wire_bytes((run_partition, (request,), {}))
 
     print(f"\nbytes per call, model argument with {n_params:,} parameters (+ a 6 KiB input):")

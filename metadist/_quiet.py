@@ -1,5 +1,5 @@
-"""Filters for torch warnings users can do nothing about, applied only inside metadist's calls:
-a user who calls ``torch.jit.script`` directly still sees torch's notice."""
+"""Filters for torch warnings users can do nothing about, applied only inside metadist's calls
+(process-wide filters would hide them from the user's own code)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,9 @@ from collections.abc import Iterator
 
 __all__ = ["quiet_torch_warnings"]
 
-# Regular expressions matched at the start of warnings torch raises while metadist drives it.
-_MESSAGES = (
-    # init_rpc gathers worker infos over its internal Gloo group through a deprecated code path.
-    r"You are using a Backend .*ProcessGroupGloo.* as a ProcessGroup",
-    # TorchScript is deprecated; metadist scripts its functional optimizers on purpose.
-    r".*TorchScript.*deprecated",
-    r"`torch.jit.(script|script_method|trace|interface)` is deprecated",
-)
+# Regular expressions matched at the start of warnings torch raises while metadist drives it:
+# init_rpc gathers worker infos over its internal Gloo group through a deprecated code path.
+_MESSAGES = (r"You are using a Backend .*ProcessGroupGloo.* as a ProcessGroup",)
 
 
 @contextlib.contextmanager

@@ -201,7 +201,7 @@ def _run_in_world(
         # TensorPipe's shared-memory transport busy-polls a core per idle worker (2.6 s of CPU
         # per 3 s idle); TCP ("uv") waits in epoll. Tensors travel in that connection ("basic"):
         # torch's default channels were slower at every size on one node (round trip 0.78 vs
-        # 0.86 ms at 4 KB, 8.4 vs 13.9 ms at 16 MB; benchmarks/bench_rpc_channels.py).
+        # 0.86 ms at 4 KB, 8.4 vs 13.9 ms at 16 MB; benchmarks/bench_remote.py --channels).
         options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
     timeout = float(options.rpc_timeout)
     binding, url = _listener_and_rendezvous(launch, timeout)

@@ -339,7 +339,7 @@ def test_world_of_one_in_process(clean_env: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="needs metadist's RPC world"):
         metadist.get_worker_names()
     assert main(1) == 2
-    # The TorchScript / Gloo deprecation filters are local to metadist's calls.
+    # The Gloo deprecation filter is local to metadist's calls.
     assert not any("ProcessGroupGloo" in str(f) for f in __import__("warnings").filters)
 
 
