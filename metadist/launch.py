@@ -20,7 +20,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.rpc import RpcBackendOptions  # type: ignore[attr-defined]
 
 from metadist import network, world
-from metadist import worker as remote_worker
 from metadist._quiet import quiet_torch_warnings
 from metadist.environment import (
     LaunchEnvironment,
@@ -259,15 +258,10 @@ def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
     future = world.announce_job_done()
     done = threading.Event()
 
-    def on_done(_: object) -> None:
-        done.set()
-        remote_worker.wake()
-
-    future.add_done_callback(on_done)
+    future.add_done_callback(lambda _: done.set())
     dead: set[str] = set()
     names = world.get_worker_names()
-    # While it waits, this thread computes the partitions sent here (see metadist.worker).
-    while not remote_worker.lend_main_thread(done, poll):
+    while not done.wait(poll):  # RPC's threads serve the others' calls meanwhile
         if info.world_rank != 0:
             if _RELEASED.is_set():
                 return list(_RELEASED_DEAD)

@@ -15,7 +15,6 @@ partition's result never reached it (a timeout, a failed sibling).
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,89 +32,22 @@ from metadist.messages import Answer, GradientItem, GradientRequest, Reply, Requ
 __all__ = [
     "current_context_id",
     "kept_graphs",
-    "lend_main_thread",
     "run_partition",
     "vjp",
-    "wake",
 ]
 
 #: Where a ``parallelize`` wrapper keeps the function it wraps (workers run that one).
 ORIGINAL = "__metadist_original__"
 
-# ----------------------------------------------------------------------------------------------
-# The main thread: a worker's is idle while it waits for the others to finish, and computes
-# faster than RPC's handler threads (measured: a 12-task MAML chunk's forward and backward took
-# 5.1 ms there against 5.6 ms on a handler thread). A request runs there when it is free;
-# otherwise on its handler thread, so that a partition whose nested call comes back to this
-# worker never waits for the thread it holds.
-
-
-class _MainThread:
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self.lock = threading.Lock()
-        self.idle = False
-
-    def run(self, job: Callable[[], Any]) -> Future[Any]:
-        with self.lock:
-            lent, self.idle = self.idle, False
-        future: Future[Any] = Future()
-        if lent:
-            self.jobs.put((job, future))
-        else:
-            _complete(job, future)
-        return future
-
-    def serve(self, until: threading.Event, timeout: float) -> bool:
-        with self.lock:
-            self.idle = True
-        try:
-            with contextlib.suppress(queue.Empty):
-                while not until.is_set():
-                    item = self.jobs.get(timeout=timeout)
-                    if item is not None:
-                        _complete(*item)
-                        with self.lock:
-                            self.idle = True
-        finally:
-            with self.lock:
-                self.idle = False
-            # A job handed over just before the end still runs.
-            with contextlib.suppress(queue.Empty):
-                while (item := self.jobs.get_nowait()) is not None:
-                    _complete(*item)
-        return until.is_set()
-
-
-def _complete(job: Callable[[], Any], future: Future[Any]) -> None:
+def _answered(job: Callable[[], Any]) -> Future[Any]:
+    """``job()`` (which returns its own errors) as a completed future: torch sends the reply as
+    it completes, and the dropped graphs are freed after the reply has left."""
+    future: Future[Any] = Future()
     try:
-        result = job()  # jobs return their own errors; this is for Ctrl-C and the like
-    except BaseException as error:
-        # torch's futures take an Exception only (Ctrl-C is not one).
-        failure = error if isinstance(error, Exception) else RuntimeError(repr(error))
-        future.set_exception(failure)
-        raise
-    future.set_result(result)  # sends the reply (torch's callback runs in set_result)
-    _free()
-
-
-_MAIN = _MainThread()
-
-
-def lend_main_thread(until: threading.Event, timeout: float) -> bool:
-    """Run partitions on the calling (main) thread until ``until`` is set or ``timeout`` passes.
-
-    For :mod:`metadist.launch`, while a worker waits for the others to finish. Returns whether
-    ``until`` is set; :func:`wake` ends the wait early.
-    """
-    return _MAIN.serve(until, timeout)
-
-
-def wake() -> None:
-    """End a :func:`lend_main_thread` wait now (its event was just set)."""
-    _MAIN.jobs.put(None)
+        future.set_result(job())
+    finally:
+        _free()
+    return future
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,17 +215,10 @@ _UNSEEN_RPC = (
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]
 def run_partition(request: Request) -> Future[Any]:
-    """Run one partition on this worker (the RPC target of every remote call).
-
-    On the main thread when it is free, unless the call travels attached to a distributed
-    autograd context, which only its handler thread holds.
-    """
+    """Run one partition on this worker (the RPC target of every remote call), on the RPC
+    handler thread that received it."""
     _drop(request.release)
-    if request.attached:
-        future: Future[Any] = Future()
-        _complete(lambda: _run_partition(request), future)
-        return future
-    return _MAIN.run(lambda: _run_partition(request))
+    return _answered(lambda: _run_partition(request))
 
 
 def _run_partition(request: Request) -> Any:
@@ -346,8 +271,8 @@ def _run_partition(request: Request) -> Any:
 
 @rpc.functions.async_execution  # type: ignore[untyped-decorator]
 def vjp(request: GradientRequest) -> Future[Any]:
-    """Answer one gradient request (the RPC target); on the main thread when it is free."""
-    return _MAIN.run(lambda: _vjp(request))
+    """Answer one gradient request (the RPC target)."""
+    return _answered(lambda: _vjp(request))
 
 
 def _vjp(request: GradientRequest) -> Any:

@@ -496,7 +496,7 @@ def exits(code: int) -> None:
 
 def a_remote_exit_is_a_remote_failure(world_size: int) -> None:
     # sys.exit in the function is the function's failure: reported with the worker's name and
-    # traceback, and the worker serves on (its main thread ran it: it killed the worker).
+    # traceback, and the worker serves on (raised out of the handler, it killed the worker).
     for _ in range(2):
         with pytest.raises(RuntimeError, match=r"raised SystemExit\(3\)") as raised:
             remote_sync_call(exits, args=(3,), partitioner=2)
