@@ -39,6 +39,7 @@ __all__ = [
 #: Where a ``parallelize`` wrapper keeps the function it wraps (workers run that one).
 ORIGINAL = "__metadist_original__"
 
+
 def _answered(job: Callable[[], Any]) -> Future[Any]:
     """``job()`` (which returns its own errors) as a completed future: torch sends the reply as
     it completes, and the dropped graphs are freed after the reply has left."""
