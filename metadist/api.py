@@ -5,7 +5,7 @@ partitioner, runs ``func`` on each partition's worker over RPC, and reduces the 
 results on the caller. The call is differentiable like a local function, ``nn.Module``
 arguments included: the path reads caller (here) → partition (:mod:`metadist.partition`) →
 send (:mod:`metadist.transport`) → worker (:mod:`metadist.worker`) → result
-(:mod:`metadist.reduce`) → backward request (:mod:`metadist.autograd`).
+(:mod:`metadist.reduce`) → backward request (:mod:`metadist.link`).
 """
 
 from __future__ import annotations
@@ -437,7 +437,7 @@ class _Call:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
         if self.link is not None and self.state.grad_mode == "grad":
             # After the first sends (the workers need not wait for it), before the caller's
-            # own partitions: see metadist.autograd.
+            # own partitions: see metadist.link.
             self.link.start()
         self.workers[index] = self.own
         _, args, kwargs = self.parts[index]

@@ -4,7 +4,7 @@ Each remote partition's graph stays on its worker (:mod:`metadist.worker`); on t
 call is two autograd nodes whose backward sends the results' gradients in one request per worker
 and returns the arguments' gradients. So plain ``loss.backward()``, ``torch.autograd.grad``
 (also with ``create_graph``) and ``torch.optim`` work as in one process, and so does torch's
-distributed autograd engine, which runs these nodes like any other (:mod:`metadist.autograd`).
+distributed autograd engine, which runs these nodes like any other (see :mod:`metadist.autograd`).
 
 ``_Arguments`` is made before the caller's own partitions run, so the engine, which runs the
 newest ready node first, reaches it after their backward: it waits for the answers and returns
