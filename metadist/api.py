@@ -368,8 +368,10 @@ class _Call:
         self.local: dict[int, tuple[bool, Any]] = {}
         self.requests: dict[int, Request] = {}
         self.new_structures: list[tuple[str, ...]] = [()] * count
-        self.state = CallerState.here()
-        self.in_context = remote_worker.current_context_id() is not None
+        # Set by _encode: what a remote partition needs of the caller (a call that runs only
+        # here needs neither, and reduces on the caller's thread).
+        self.state: CallerState | None = None
+        self.in_context = False
         self.world_token: object = None
         self.link: link.Link | None = None
         # Run as each sent partition finishes, with its index and future.
@@ -394,7 +396,7 @@ class _Call:
 
     def run_here(self, index: int) -> None:
         """Run partition ``index`` in-process, as its worker would (errors included)."""
-        if self.link is not None and self.state.grad_mode == "grad":
+        if self.link is not None and torch.is_grad_enabled():
             # After the first sends (the workers need not wait for it), before the caller's
             # own partitions: see metadist.link.
             self.link.start()
@@ -461,7 +463,7 @@ class _Call:
             return values
         results = PartitionResults(values)
         results.sizes = self.sizes  # checked once, by _partitions
-        if CallerState.here() == self.state:  # the caller's thread, as it usually is
+        if self.state is None or CallerState.here() == self.state:  # the caller's thread
             return self.reducer(results)
         with contextlib.ExitStack() as stack:  # an RPC thread, for an asynchronous call
             self.state.enter(stack)
@@ -472,6 +474,8 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
     """Encode every partition that may travel before sending anything (bad input fails with no
     RPC sent), noting their arguments that require grad in the call's gradient link."""
     call.world_token = world.world_token()
+    call.state = state = CallerState.here()
+    call.in_context = remote_worker.current_context_id() is not None
     holds_rref = any(_holds_rref(call.parts[i][1:]) for i in remote)
     if holds_rref:  # torch's RRef bookkeeping ends with a process's first world
         world.check_rref_world(f"metadist's call of {call.func_name}")
@@ -498,7 +502,7 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
             kwargs=e_kwargs,
             decode=decode,
             compression=call.compression,
-            state=call.state,
+            state=state,
             graph=None if attached else gradients.add(i, sources),
             attached=attached,
             in_context=call.in_context,
@@ -669,25 +673,8 @@ def remote_sync_call(
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
 ) -> Any:
-    """Like :func:`remote_async_call`, but wait for and return the result.
-
-    Args:
-        func: A module-level function.
-        args: Positional arguments for ``func``.
-        kwargs: Keyword arguments for ``func``.
-        partitioner: Worker id/name or partitioner callable (default: batch_partitioner).
-        reducer: Reducer, or ``None`` for the list of per-partition results.
-        timeout: Per-partition timeout (default: the world's RPC timeout; ``None``: forever).
-        compression: ``None``, ``"bf16"`` or ``"fp16"``.
-
-    Returns:
-        The (reduced) result.
-
-    Raises:
-        TimeoutError: A partition did not finish in time.
-        RemoteError: A partition failed and its exception type could not be rebuilt (otherwise
-            the remote exception's own type is raised).
-    """
+    """Like :func:`remote_async_call` (the same arguments), but wait for the result and return
+    it, or raise what the future would."""
     # Waiting on the partitions directly is cheaper than chaining futures.
     call = _start(func, args, kwargs, partitioner, reducer, timeout, compression, sync=True)
     return call.collect()
@@ -699,23 +686,12 @@ def parallelize_async(
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
 ) -> Callable[[Callable[P, Any]], Callable[P, Future[Any]]]:
-    """Decorate a module-level function so that calling it runs a :func:`remote_async_call`.
+    """Decorate a module-level function so that calling it runs a :func:`remote_async_call`
+    with these arguments (checked here, at decoration) and returns its future.
 
-    The decorated function returns a future. Workers run the undecorated function (the wrapper
-    keeps it as ``__wrapped__``), so decorating a function defined at the top level of a
-    torchrun script works.
-
-    Args:
-        partitioner: As for :func:`remote_async_call`.
-        reducer: As for :func:`remote_async_call`.
-        timeout: As for :func:`remote_async_call`.
-        compression: As for :func:`remote_async_call`.
-
-    Returns:
-        A decorator.
-
-    Raises:
-        TypeError: (when decorating) a lambda or local function, or bad arguments.
+    Workers run the undecorated function (the wrapper keeps it as ``__wrapped__``), so
+    decorating a function defined at the top level of a torchrun script works. Decorating a
+    lambda or a local function raises ``TypeError``.
     """
     return _parallelizer(partitioner, reducer, timeout, compression, sync=False)
 
@@ -726,20 +702,8 @@ def parallelize_sync(
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
 ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
-    """Decorate a module-level function so that calling it runs a :func:`remote_sync_call`.
-
-    Args:
-        partitioner: As for :func:`remote_async_call`.
-        reducer: As for :func:`remote_async_call`.
-        timeout: As for :func:`remote_async_call`.
-        compression: As for :func:`remote_async_call`.
-
-    Returns:
-        A decorator; the decorated function returns the (reduced) result.
-
-    Raises:
-        TypeError: (when decorating) a lambda or local function, or bad arguments.
-    """
+    """:func:`parallelize_async`, but the decorated function runs a :func:`remote_sync_call`
+    and returns the (reduced) result."""
     return _parallelizer(partitioner, reducer, timeout, compression, sync=True)
 
 

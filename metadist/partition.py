@@ -148,28 +148,21 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
             return argument_path(tree_flatten_with_path((args, dict(kwargs)))[0][i][0])
 
         leaves, rebuild = flatten_arguments(args, dict(kwargs))
-        columns, sizes = self._columns(leaves, name, len(worker_ids))
-        parts = Partitions(sizes=sizes, schedule=self.schedule)
-        for i in range(len(sizes)):
-            parts.append((worker_ids[i % len(worker_ids)], *rebuild([c[i] for c in columns])))
-        return parts
-
-    def _columns(
-        self, leaves: list[Any], name: Callable[[int], str], workers: int
-    ) -> tuple[list[Sequence[Any]], list[int]]:
-        """Each leaf's value in every partition (pieces, or replicated), and the partition sizes."""
         dims, batch = _batch_dims(leaves, self.dim, name)
-        sizes = [1] * batch if self.exclusive else split_sizes(batch, workers)
+        sizes = [1] * batch if self.exclusive else split_sizes(batch, len(worker_ids))
+        if len(sizes) == 1 and not self.exclusive:
+            # One partition gets the batch itself (a world of 1 runs on the caller's tensors).
+            return Partitions([(worker_ids[0], args, dict(kwargs))], sizes, self.schedule)
+        parts = Partitions(sizes=sizes, schedule=self.schedule)
         columns = [
             [leaf] * len(sizes) if dim is None else self._pieces(leaf, dim, sizes)
             for leaf, dim in zip(leaves, dims, strict=True)
         ]
-        return columns, sizes
+        for i in range(len(sizes)):
+            parts.append((worker_ids[i % len(worker_ids)], *rebuild([c[i] for c in columns])))
+        return parts
 
     def _pieces(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Sequence[torch.Tensor]:
-        if not self.exclusive and len(sizes) == 1:
-            # One worker gets the batch itself (a world of 1 then runs on the caller's tensors).
-            return [tensor]
         # Pieces of a tensor that requires grad stay its views under the caller's no_grad too,
         # as the tensor itself is to a function that enables grad inside (an inner loop).
         # One view op per piece, not split's or unbind's one for all: torch refuses in-place
