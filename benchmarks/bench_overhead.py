@@ -15,7 +15,9 @@ meta-step):
   sent: each step now lasts as long as the slower half's, plus the barrier. It is the floor of
   any two-process step whose result needs both halves, whatever carries the data.
 * ``md W=1``: metadist in a world of 1 (``python script.py``): ``remote_sync_call`` with the
-  default partitioner, plain ``loss.backward()``.
+  default partitioner, plain ``loss.backward()``; ``md ctx W=1``: the same in the torchopt form
+  (below); ``torch ctx W=1``: plain torch's step in that form (``dist_autograd.context()``,
+  ``dist_autograd.backward``, ``get_gradients`` into ``.grad``), its floor.
 * ``md W=2``: the same call in a world of 2; rank 0 drives and computes its own half in-process.
 * ``md ctx W=2``: the same in the torchopt form, ``metadist.autograd.context()`` and
   ``metadist.autograd.backward``.
@@ -182,6 +184,17 @@ def step_metadist_context(
     opt.step()
 
 
+def step_torch_context(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]
+) -> None:
+    opt.zero_grad()
+    with dist_autograd.context() as ctx:
+        dist_autograd.backward(ctx, [module_meta_loss(model, *batch)])
+        for p, g in dist_autograd.get_gradients(ctx).items():
+            p.grad = g
+    opt.step()
+
+
 def step_plain_2t(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...]) -> None:
     torch.set_num_threads(2)
     try:
@@ -217,6 +230,8 @@ STEPS: dict[str, Callable[[nn.Module, torch.optim.Optimizer, tuple[Tensor, ...]]
     "plain": step_plain,
     "plain 2T": step_plain_2t,
     "md W=1": step_metadist,
+    "md ctx W=1": step_metadist_context,
+    "torch ctx W=1": step_torch_context,
     "md W=2": step_metadist,
     "md ctx W=2": step_metadist_context,
     "raw W=2": step_raw,
@@ -394,6 +409,9 @@ def _pair_child(rank: int, ports: tuple[int, int], cfg: dict[str, Any], out: str
     main()
 
 
+ONE = ["plain", "plain 2T", "md W=1", "md ctx W=1", "torch ctx W=1"]
+
+
 def _world_of_one(cfg: dict[str, Any], out: str) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
         os.environ.pop(name, None)
@@ -403,10 +421,9 @@ def _world_of_one(cfg: dict[str, Any], out: str) -> None:
     def main() -> None:
         results: dict[str, Any] = {"times": {}, "errors": {}}
         for tasks in cfg["tasks"]:
-            results["errors"][f"md W=1/{tasks}"] = check_grad("md W=1", tasks, step_metadist)
-            results["times"][str(tasks)] = time_interleaved(
-                ["plain", "plain 2T", "md W=1"], tasks, cfg["steps"], cfg["rounds"]
-            )
+            for name in ONE[1:]:
+                results["errors"][f"{name}/{tasks}"] = check_grad(name, tasks, STEPS[name])
+            results["times"][str(tasks)] = time_interleaved(ONE, tasks, cfg["steps"], cfg["rounds"])
         Path(out).write_text(json.dumps(results))
 
     main()
@@ -451,8 +468,8 @@ def _ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-NAMES = ["plain", "plain 2T", "limit", "md W=1", "md W=2", "md ctx W=2", "raw W=2", "sync W=2"]
-NAMES += ["spmd W=2"]
+NAMES = ["plain", "plain 2T", "limit", "md W=1", "md ctx W=1", "torch ctx W=1", "md W=2"]
+NAMES += ["md ctx W=2", "raw W=2", "sync W=2", "spmd W=2"]
 
 
 def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -> list[str]:
@@ -469,7 +486,7 @@ def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -
             if rounds is None:
                 cells.append(f"{'-':>17}")
                 continue
-            base = per["plain (1)"] if name in ("md W=1", "plain 2T") else per["limit"]
+            base = per["plain (1)"] if name in ONE[1:] else per["limit"]
             ratio = _ratio(rounds, base)[0]
             cells.append(f"{statistics.median(rounds):6.2f} ({ratio:4.2f}x)".rjust(17))
         lines.append(f"{tasks:>5} " + " ".join(cells))
@@ -485,8 +502,11 @@ def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -
     for tasks in sorted(times):
         per = times[tasks]
         if tasks == 25 and "md W=1" in per:
-            r = _ratio(per["md W=1"], per["plain (1)"])
-            show("md W=1 / plain (25 tasks)", r, "<= 1.05", r[0] <= 1.05)
+            r = _ratio(per["torch ctx W=1"], per["plain (1)"])
+            show("torch ctx W=1 / plain (25 tasks)", r, "-", None)
+            for name in ("md W=1", "md ctx W=1"):
+                r = _ratio(per[name], per["plain (1)"])
+                show(f"{name} / plain (25 tasks)", r, "<= 1.05", r[0] <= 1.05)
         bound = {25: 1.3, 400: 1.15}.get(tasks)
         if bound is None:
             continue
@@ -509,14 +529,15 @@ def workloads(times: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for tasks, per in sorted(times.items()):
         rows = {name: per[name] for name in NAMES if name in per and "2T" not in name}
-        rows.pop("md W=1", None)
+        for name in ONE[2:]:
+            rows.pop(name, None)
         rows["torch rpc"] = rows.pop("raw W=2")
         if "plain 2T (1)" in per:  # timed beside the world of 1's plain step: scaled to this one
             scale = [p / q for p, q in zip(per["plain"], per["plain (1)"], strict=True)]
             rows["plain 2T"] = [t * k for t, k in zip(per["plain 2T (1)"], scale, strict=True)]
         out[f"sinusoid {tasks}"] = {"base": "plain", "rounds": rows}
         if tasks == min(times) and "md W=1" in per:
-            rows = {"plain": per["plain (1)"], "md W=1": per["md W=1"]}
+            rows = {"plain": per["plain (1)"]} | {name: per[name] for name in ONE[2:]}
             out[f"world of 1 ({tasks})"] = {"base": "plain", "rounds": rows}
     return out
 
@@ -524,7 +545,7 @@ def workloads(times: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
 # The summary's rows: every benchmark names its variants with these ("torch rpc": hand-written
 # torch RPC, or torch's own DistributedOptimizer).
 VARIANTS = ["plain 2T", "limit", "sync W=2", "spmd W=2", "md W=2", "md ctx W=2", "md W=1"]
-VARIANTS += ["md static", "torch rpc", "torchopt W=2"]
+VARIANTS += ["md ctx W=1", "torch ctx W=1", "md static", "torch rpc", "torchopt W=2"]
 
 
 def summary(folder: Path) -> list[str]:
