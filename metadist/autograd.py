@@ -152,8 +152,7 @@ def _pass(
 
 def _through_rpc(context_id: int) -> bool:
     """Whether torch's RPC brought a tensor with a graph into this context here (an RRef's
-    ``to_here()``, ``rpc_sync`` of tensors that require grad): only torch's engine goes on
-    from there. Private, like the context itself: torch has no public way to ask."""
+    ``to_here()``, ``rpc_sync`` of tensors that require grad); torch has no public way to ask."""
     return bool(dist_autograd._retrieve_context(context_id)._recv_functions())  # type: ignore[attr-defined]
 
 

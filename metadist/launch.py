@@ -56,8 +56,7 @@ def auto_init_rpc(
 
     Args:
         worker_init_fn: Called on every worker after RPC starts, before the function.
-        worker_name_format: Names a worker from keyword arguments ``world_rank``,
-            ``world_size``, ``local_rank``, ``local_world_size``.
+        worker_name_format: Names a worker from :class:`metadist.WorldInfo`'s fields, by keyword.
         backend: RPC backend; ``None`` means TensorPipe.
         rpc_backend_options: Backend options; an ``init_method`` of ``env://`` is replaced by
             metadist's rendezvous. ``None``: TensorPipe over TCP, ``_channels=["basic"]`` (CPU).

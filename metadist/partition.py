@@ -75,7 +75,7 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
     Args:
         dim: The dimension to split every tensor leaf along.
         exclusive: One item per partition (round-robin) instead of one chunk per worker.
-        keepdim: With ``exclusive=True``, ``False`` removes the split dimension.
+        keepdim: ``False`` removes the split dimension (needs ``exclusive=True``).
         workers: Worker ranks or names to use, in order (default: all workers).
         schedule: ``"static"`` or ``"dynamic"`` (needs ``exclusive=True``).
     """
@@ -260,22 +260,19 @@ def dim_partitioner(
     workers: Sequence[int | str] | None = None,
     schedule: str = "static",
 ) -> DimPartitioner:
-    """Make a partitioner that splits every tensor leaf of the arguments along ``dim``; other
-    leaves (numbers, modules, ``nn.Parameter``) go to every partition whole.
-
-    * ``exclusive=False``: one contiguous chunk per worker, sizes differing by at most 1, larger
-      first; fewer items than workers give fewer partitions, never an empty one.
-    * ``exclusive=True``: one item per partition, round-robin; ``keepdim=False`` removes the
-      split dimension.
-    * ``schedule="dynamic"`` (with ``exclusive=True``): a synchronous call hands each item to
-      the next worker that frees up, for items of uneven cost. Results keep item order.
+    """Make a partitioner that splits every tensor leaf of the arguments along ``dim`` into one
+    contiguous chunk per worker, sizes differing by at most 1, larger first (fewer items than
+    workers give fewer partitions, never an empty one); other leaves (numbers, modules,
+    ``nn.Parameter``) go to every partition whole.
 
     Args:
         dim: The dimension to split (negative counts from the end).
-        exclusive: One item per partition instead of one chunk per worker.
-        keepdim: Keep the split dimension (size 1) in exclusive mode.
+        exclusive: One item per partition, round-robin over the workers, instead of chunks.
+        keepdim: ``False`` removes the split dimension (needs ``exclusive=True``).
         workers: Worker ranks or names to use, in order; ``None`` means all workers.
-        schedule: ``"static"`` (default) or ``"dynamic"``.
+        schedule: ``"static"`` (default) or ``"dynamic"`` (needs ``exclusive=True``): a
+            synchronous call hands each item to the next worker that frees up, for items of
+            uneven cost. Results keep item order.
 
     Returns:
         A :class:`DimPartitioner`.

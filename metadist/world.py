@@ -523,7 +523,6 @@ def _watch_barrier(
                     if is_connection_lost(error):
                         gone = worker_gone(name, runtime.names.index(name))
                         reasons[name] = f"{gone}, so it never arrives ({error})"
-        # Who finished the job is known at rank 0, where every worker announces it.
         if done_query is None:
             done_query = _finished_ranks_async()
         elif done_query.done():
