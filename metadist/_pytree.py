@@ -20,7 +20,6 @@ __all__ = [
     "keystr",
     "tree_flatten",
     "tree_flatten_with_path",
-    "tree_is_leaf",
     "tree_unflatten",
 ]
 
@@ -35,10 +34,9 @@ Rebuild = Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]
 
 def flatten_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Rebuild]:
     """The leaves of ``(args, kwargs)`` in ``tree_flatten``'s order, and how to rebuild the
-    pair from new leaves. A call flattens its arguments several times; when none of them is a
-    container (tensors and modules, the common case) this skips pytree's walk. Containers are
-    what ``tree_is_leaf`` says they are: a test on registered types would miss namedtuples,
-    which pytree matches by shape."""
+    pair from new leaves, without pytree's walk when no argument is a container (the common
+    case). Containers are what ``tree_is_leaf`` says: a test on registered types would miss
+    namedtuples, which pytree matches by shape."""
     if all(tree_is_leaf(a) for a in args) and all(tree_is_leaf(v) for v in kwargs.values()):
         count, keys = len(args), list(kwargs)
 

@@ -15,6 +15,9 @@ contribution as ``map_after - map_before``, exact up to the last bits. :func:`gr
 graph (metadist's own calls never do): it then writes nothing, the map included, as in one
 process; otherwise it runs torch's engine too, and its gradients join the map.
 
+Each function raises ``RuntimeError`` if RPC is not running, and ``ValueError`` for a
+``context_id`` that is not a live context of this process.
+
 Example:
     >>> import torch
     >>> import metadist
@@ -48,16 +51,10 @@ __all__ = ["backward", "context", "get_gradients", "grad", "is_available"]
 
 @contextlib.contextmanager
 def context() -> Iterator[int]:
-    """Open a distributed autograd context; yields its id.
-
-    Pass the id to :func:`backward`, :func:`grad` or :func:`get_gradients`, or to an owner's
-    optimizer (:class:`metadist.optim.DistributedOptimizer`).
+    """Open a distributed autograd context.
 
     Yields:
-        The context id.
-
-    Raises:
-        RuntimeError: RPC is not running (see :func:`metadist.auto_init_rpc`).
+        The context id, for this module's functions or an owner's optimizer.
     """
     require_rpc("metadist.autograd.context")
     with dist_autograd.context() as context_id:
@@ -117,8 +114,7 @@ def check_context(context_id: int, api: str) -> None:
 def _pass(
     context_id: int, roots: list[torch.Tensor], targets: list[torch.Tensor] | None, retain: bool
 ) -> dict[torch.Tensor, torch.Tensor]:
-    """Run one backward pass; its own gradient of each leaf reached (among ``targets``): the
-    context's map accumulates over passes, so this pass's share is ``after - before``."""
+    """Run one backward pass: its own gradient of each leaf reached (among ``targets``)."""
     grads = _dist_get_gradients(context_id)
     keys = list(grads) if targets is None else [t for t in targets if t in grads]
     before = {t: grads[t].clone() for t in keys}
@@ -156,8 +152,7 @@ def _pass(
 
 def _through_rpc(context_id: int) -> bool:
     """Whether torch's RPC brought a tensor with a graph into this context here (an RRef's
-    ``to_here()``, ``rpc_sync`` of tensors that require grad): only torch's engine goes on
-    from there. Private, like the context itself: torch has no public way to ask."""
+    ``to_here()``, ``rpc_sync`` of tensors that require grad); torch has no public way to ask."""
     return bool(dist_autograd._retrieve_context(context_id)._recv_functions())  # type: ignore[attr-defined]
 
 
@@ -184,8 +179,8 @@ def backward(
         inputs: Only accumulate into these leaves (default: every leaf reached).
 
     Raises:
-        RuntimeError: RPC is not running; a root does not require grad.
-        ValueError: An unknown ``context_id``, a non-scalar root or a non-leaf input.
+        RuntimeError: A root does not require grad.
+        ValueError: A non-scalar root or a non-leaf input.
 
     Example:
         >>> import torch
@@ -222,12 +217,8 @@ def grad(
     retain_graph: bool = False,
     allow_unused: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
-    """Return the gradients of ``outputs`` with respect to ``inputs`` (new tensors).
-
-    ``torch.autograd.grad``: neither ``.grad`` nor the context's map (what owners' optimizers
-    apply) is touched. Once torch's RPC brought a tensor with a graph into the context (an
-    RRef's ``to_here()``), the pass runs in torch's engine instead: its gradients join the map,
-    and it returns this pass's share (``after - before``, exact up to the last bits).
+    """Return the gradients of ``outputs`` with respect to ``inputs`` (new tensors), as
+    ``torch.autograd.grad`` (see the module's description).
 
     Args:
         context_id: The id from :func:`context`.
@@ -240,9 +231,8 @@ def grad(
         One gradient (or ``None``) per input.
 
     Raises:
-        RuntimeError: An input was not reached and ``allow_unused`` is false, or see
+        RuntimeError: An input was not reached and ``allow_unused`` is false, or as
             :func:`backward`.
-        ValueError: An unknown ``context_id``, a non-scalar output or a non-leaf input.
     """
     check_context(context_id, "metadist.autograd.grad")
     roots = _roots(outputs, "outputs")
@@ -264,17 +254,11 @@ def grad(
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """Return a copy of the context's gradient map on this worker (leaf tensor → gradient).
 
-    The map holds the sum over every backward pass run in the context so far.
-
     Args:
         context_id: The id from :func:`context`.
 
     Returns:
         A new dict of cloned gradients.
-
-    Raises:
-        RuntimeError: RPC is not running.
-        ValueError: ``context_id`` is not a live context of this process.
     """
     check_context(context_id, "metadist.autograd.get_gradients")
     return {t: g.clone() for t, g in _dist_get_gradients(context_id).items()}
@@ -285,7 +269,7 @@ def gradients_here(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     if this worker took no part)."""
     try:
         return dict(_dist_get_gradients(context_id))
-    except RuntimeError:  # no such context here: this worker took no part in it
+    except RuntimeError:
         return {}
 
 

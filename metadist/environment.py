@@ -56,8 +56,8 @@ def default_worker_name_format(
     Args:
         world_rank: Global rank of the worker.
         world_size: Number of workers.
-        local_rank: Unused; part of the name-format signature.
-        local_world_size: Unused; part of the name-format signature.
+        local_rank: Unused (a name format is passed all four).
+        local_world_size: Unused.
 
     Returns:
         The worker name.
@@ -69,7 +69,7 @@ def default_worker_name_format(
 @dataclass(frozen=True)
 class LaunchEnvironment:
     """Which launcher started this process (``"torchrun"``, also for a manual launch with its
-    variables, ``"mpirun"``, ``"srun"`` or ``"python"``: none), and the ranks it gave it."""
+    variables, ``"mpirun"``, ``"srun"`` or ``"python"``: none), and its ranks."""
 
     launcher: str
     info: WorldInfo
@@ -119,7 +119,7 @@ def _torchrun_info() -> WorldInfo:
 
 
 def tasks_per_node(spec: str) -> list[int]:
-    """The tasks on each node from SLURM's ``SLURM_TASKS_PER_NODE``: ``"2(x3),1"`` is 2, 2, 2, 1."""
+    """The tasks on each node from ``SLURM_TASKS_PER_NODE``: ``"2(x3),1"`` is 2, 2, 2, 1."""
     counts: list[int] = []
     for part in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
@@ -162,9 +162,9 @@ def _slurm_info() -> WorldInfo:
 
 
 def read_launch_environment() -> LaunchEnvironment:
-    """Read the launcher's variables now; ``ValueError`` names one that is malformed. First match
-    wins: torchrun's ``WORLD_SIZE``, Open MPI's ``OMPI_COMM_WORLD_SIZE`` (over the SLURM
-    allocation ``mpirun`` may run in), ``srun``'s ``SLURM_PROCID`` and ``SLURM_NTASKS``, else 1."""
+    """Read the launcher's variables. First match wins: torchrun's ``WORLD_SIZE``, Open MPI's
+    ``OMPI_COMM_WORLD_SIZE`` (over the SLURM allocation ``mpirun`` may run in), ``srun``'s
+    ``SLURM_PROCID`` and ``SLURM_NTASKS``, else a world of 1."""
     if "WORLD_SIZE" in os.environ:
         return LaunchEnvironment("torchrun", _torchrun_info())
     if "OMPI_COMM_WORLD_SIZE" in os.environ:
@@ -176,7 +176,6 @@ def read_launch_environment() -> LaunchEnvironment:
     return LaunchEnvironment("python", _torchrun_info())
 
 
-# Where the workers meet: rank 0's address and port, per launcher
 #: ``srun`` jobs without ``MASTER_PORT`` rendezvous on port ``SLURM_PORT_BASE + SLURM_JOB_ID %
 #: 15000`` (15000-29999: below Linux's ephemeral range, so no outgoing connection holds it, and
 #: every task of a job computes the same port without talking to the others).
@@ -205,7 +204,7 @@ def _expand_host(pattern: str) -> list[str]:
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand SLURM's compressed host list, e.g. ``node[01-04,07]``, in order (zero padding
-    kept; several bracket groups expand to their product); ``ValueError`` if malformed."""
+    kept; several bracket groups expand to their product)."""
     try:
         parts = re.split(r",(?![^\[]*\])", hostlist.strip())  # the commas outside brackets
         hosts = [host for part in parts for host in _expand_host(part)]
@@ -221,8 +220,7 @@ def master_address(launcher: str) -> tuple[str, int]:
 
     ``MASTER_ADDR`` and ``MASTER_PORT`` win; torchrun and ``mpirun`` need them. ``srun`` uses
     the first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``) and the port
-    ``SLURM_PORT_BASE + SLURM_JOB_ID % 15000``. ``ValueError`` names a bad or missing variable.
-    """
+    :data:`SLURM_PORT_BASE` gives."""
     addr = os.environ.get("MASTER_ADDR", "")
     port = os.environ.get("MASTER_PORT", "")
     if launcher == "srun" and not addr:

@@ -48,7 +48,7 @@ def auto_init_rpc(
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate a job's entry function so that it runs inside an RPC world.
 
-    Each call reads the launcher's environment (:func:`read_launch_environment`; none: a world
+    Each call reads the launcher's environment (torchrun, ``srun``, ``mpirun``; none: a world
     of 1), starts RPC, runs ``worker_init_fn()`` then the function on every rank, and shuts RPC
     down once every worker is done (errors are recorded for ``torchrun``). Inside a running
     world the function just runs. Single-node jobs listen on loopback only, others on the
@@ -56,8 +56,7 @@ def auto_init_rpc(
 
     Args:
         worker_init_fn: Called on every worker after RPC starts, before the function.
-        worker_name_format: Names a worker from keyword arguments ``world_rank``,
-            ``world_size``, ``local_rank``, ``local_world_size``.
+        worker_name_format: Names a worker from :class:`metadist.WorldInfo`'s fields, by keyword.
         backend: RPC backend; ``None`` means TensorPipe.
         rpc_backend_options: Backend options; an ``init_method`` of ``env://`` is replaced by
             metadist's rendezvous. ``None``: TensorPipe over TCP, ``_channels=["basic"]`` (CPU).
@@ -97,7 +96,6 @@ def auto_init_rpc(
                 shutdown_timeout=float(shutdown_timeout),
             )
 
-        # record() writes the error file torchrun reports; it keeps the signature.
         return cast("Callable[P, R]", record(entry))
 
     return decorator
@@ -106,7 +104,7 @@ def auto_init_rpc(
 def _listener_and_rendezvous(
     launch: LaunchEnvironment, timeout: float
 ) -> tuple[network.Binding, str]:
-    """Choose the interface to listen on and the rendezvous URL for this launch."""
+    """The interface to listen on and the rendezvous URL for this launch."""
     info = launch.info
     if launch.launcher == "python":
         return network.choose_binding("127.0.0.1"), f"{network.LOCAL_SCHEME}://"
@@ -130,7 +128,6 @@ def _listener_and_rendezvous(
                 raise
             binding = user
     _log_interface(info, binding, master_addr)
-    # torchrun's agent holds one store across --max-restarts: metadist-elastic:// keeps them apart.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if binding.loopback and not agent_store:
         # torch's rendezvous adds rank and world_size to the query itself. port_from: what the
@@ -148,7 +145,7 @@ def _listener_and_rendezvous(
 
 def _log_interface(info: WorldInfo, binding: network.Binding, master_addr: str) -> None:
     """Say once when RPC will listen beyond loopback, naming the interface really used."""
-    user = os.environ.get("TP_SOCKET_IFNAME")  # wins over metadist's choice (socket_ifname_env)
+    user = os.environ.get("TP_SOCKET_IFNAME")
     ifname = user or binding.ifname
     address = network.ipv4_of(ifname) if user else binding.address
     if address is not None and ipaddress.ip_address(address).is_loopback:
@@ -236,7 +233,7 @@ def _run_in_world(
 
 ABORT_GRACE = 2.0  # seconds a Ctrl-C'd worker gives its local RPC teardown
 
-# Set on a worker when rank 0 ends the shutdown handshake without the workers it found dead.
+# Set on a worker when rank 0 ends the shutdown handshake without the dead workers.
 _RELEASED = threading.Event()
 _RELEASED_DEAD: list[str] = []
 
@@ -249,15 +246,13 @@ def _release(dead: list[str]) -> None:
 def _finish(info: WorldInfo, poll: float = 2.0) -> list[str]:
     """Wait until every live worker finished its job; return the names of workers found dead.
 
-    torch's graceful shutdown waits forever for a dead worker. Rank 0 holds the handshake and
-    pings unfinished workers: a lost connection is dead, a ping timing out is busy (waited for).
-    Survivors serve until every live worker is done, then rank 0 releases them. Others ping
-    rank 0 alone, so pings grow with the world, not its square.
+    Rank 0 holds the handshake and pings unfinished workers: a lost connection is dead, a ping
+    timing out is busy (waited for). Survivors serve until every live worker is done, then rank
+    0 releases them. Others ping rank 0 alone, so pings grow with the world, not its square.
     """
     _RELEASED.clear()
     future = world.announce_job_done()
     done = threading.Event()
-
     future.add_done_callback(lambda _: done.set())
     dead: set[str] = set()
     names = world.get_worker_names()
@@ -325,8 +320,7 @@ def _bounded_shutdown(grace: float, *, graceful: bool) -> bool:
 
 
 def _abort() -> None:
-    """Ctrl-C: tear RPC down locally, now (peers see this worker as dead); a shutdown already
-    running is given the time instead of starting a second one."""
+    """Ctrl-C: tear RPC down locally, now (peers see this worker as dead)."""
     world.leave_world()
     deadline = time.monotonic() + ABORT_GRACE
     if not any(thread.is_alive() for thread in _SHUTDOWN_THREAD):
@@ -344,7 +338,6 @@ def _stalled(gone: list[str], grace: float) -> str:
     if gone:
         return f"workers {gone} died after finishing their job; shutdown cannot complete"
     stalled = f"torch's shutdown still waited {grace:g} s after every worker finished its job"
-    # In a later world, an RRef's delete that torch never sends is what it waits for.
     later = world.later_world_problem()
     if later is not None:
         return f"{stalled}: {later}"

@@ -166,15 +166,13 @@ def free_loopback_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# Rendezvous handlers: torch's env:// and tcp:// stores listen on every interface.
 def _local_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, int]]:
     # A world of 1 rendezvous with itself: an in-process store, no listening socket.
     yield HashStore(), 0, 1
 
 
 #: Seconds the rendezvous store has, once its port accepts connections, to answer a rank that
-#: joins it. Rank 0's store answers at once, from a thread of its own; a program that listens
-#: on the port and never reads does not, and torch's client would wait for it forever.
+#: joins it (rank 0's answers at once; a program that listens and never reads does not).
 STORE_ANSWER_S = 5.0
 
 
@@ -199,9 +197,7 @@ def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, 
     yield store, rank, world_size
 
 
-# The ports this process's rendezvous stores listened on: torch keeps the first RPC world's
-# store open until the process exits (its process-wide RRef bookkeeping holds that world's
-# agent), so a later world cannot listen there again.
+# The ports this process's rendezvous stores listened on (a later world cannot listen there).
 _SERVED_PORTS: set[int] = set()
 
 
@@ -245,9 +241,8 @@ def _join_store(port: int, world_size: int, timeout: float, name: str) -> TCPSto
     deadline = time.monotonic() + timeout
     where = f"127.0.0.1:{port} ({name}; the job runs on one node, so its ranks meet over loopback)"
     _wait_for_listener(port, deadline, timeout, where)
-    # torch's client waits for the store's first reply without a limit (its timeout bounds only
-    # connecting): it runs in a daemon thread, abandoned (blocked in a socket read, holding no
-    # lock) if no reply comes, so that the process can still raise and exit.
+    # torch's client (see the module's description) runs in a daemon thread, abandoned (blocked
+    # in a socket read, holding no lock) if no reply comes, so the process can raise and exit.
     remaining = max(deadline - time.monotonic(), 0.001)
     outcome: list[TCPStore | BaseException] = []
     done = threading.Event()
@@ -311,7 +306,7 @@ def _elastic_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]
 
 
 def install_rendezvous_handlers() -> None:
-    """Register the ``metadist-local://``, ``-loopback://`` and ``-elastic://`` schemes."""
+    """Register metadist's rendezvous schemes (idempotent)."""
     for scheme, handler in (
         (LOCAL_SCHEME, _local_handler),
         (LOOPBACK_SCHEME, _loopback_handler),

@@ -69,20 +69,15 @@ def split_sizes(n: int, k: int) -> list[int]:
 
 @dataclasses.dataclass(repr=False, unsafe_hash=True, slots=True)
 class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
-    """Split every tensor leaf of the arguments along one dimension (see :func:`dim_partitioner`);
-    picklable, so it can be sent to another worker (nested remote calls).
+    """What :func:`dim_partitioner` makes, with its arguments and errors; picklable, so it can
+    be sent to another worker (nested remote calls).
 
     Args:
         dim: The dimension to split every tensor leaf along.
         exclusive: One item per partition (round-robin) instead of one chunk per worker.
-        keepdim: With ``exclusive=True``, ``False`` removes the split dimension.
+        keepdim: ``False`` removes the split dimension (needs ``exclusive=True``).
         workers: Worker ranks or names to use, in order (default: all workers).
         schedule: ``"static"`` or ``"dynamic"`` (needs ``exclusive=True``).
-
-    Raises:
-        TypeError: An argument has the wrong type.
-        ValueError: ``keepdim=False`` or ``schedule="dynamic"`` without ``exclusive=True``, or
-            an empty ``workers``.
     """
 
     dim: int = 0
@@ -109,7 +104,7 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         return all(getattr(self, f) == getattr(other, f) for f in fields)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Partitions:
-        """Partition ``args``/``kwargs`` over the configured workers (all workers by default)."""
+        """Partition ``args``/``kwargs`` over the configured workers."""
         if self.workers is None:
             worker_ids: list[int] = list(range(get_world_size()))
         else:
@@ -163,11 +158,10 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
         return parts
 
     def _pieces(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Sequence[torch.Tensor]:
-        # Pieces of a tensor that requires grad stay its views under the caller's no_grad too,
-        # as the tensor itself is to a function that enables grad inside (an inner loop).
-        # One view op per piece, not split's or unbind's one for all: torch refuses in-place
-        # changes of views that one op returned together, and the caller's own piece takes
-        # them as the whole tensor does.
+        # Pieces stay views of a tensor that requires grad under the caller's no_grad too, as
+        # the tensor is to a function that enables grad inside (an inner loop). One view op per
+        # piece, not split's one for all: torch refuses in-place changes of views that one op
+        # returned together, and the caller's own piece takes them as the whole tensor does.
         with torch.enable_grad():
             if self.exclusive and not self.keepdim:
                 return [tensor.select(dim, i) for i in range(tensor.shape[dim])]
@@ -259,25 +253,22 @@ def dim_partitioner(
     workers: Sequence[int | str] | None = None,
     schedule: str = "static",
 ) -> DimPartitioner:
-    """Make a partitioner that splits every tensor leaf of the arguments along ``dim``; other
-    leaves (numbers, modules, ``nn.Parameter``) are replicated to every partition.
-
-    * ``exclusive=False``: one contiguous chunk per worker, sizes differing by at most 1, larger
-      first; fewer items than workers give fewer partitions, never an empty one.
-    * ``exclusive=True``: one item per partition, round-robin; ``keepdim=False`` removes the
-      split dimension.
-    * ``schedule="dynamic"`` (with ``exclusive=True``): a synchronous call hands each item to
-      the next worker that frees up, for items of uneven cost. Results keep item order.
+    """Make a partitioner that splits every tensor leaf of the arguments along ``dim`` into one
+    contiguous chunk per worker, sizes differing by at most 1, larger first (fewer items than
+    workers give fewer partitions, never an empty one); other leaves (numbers, modules,
+    ``nn.Parameter``) go to every partition whole.
 
     Args:
         dim: The dimension to split (negative counts from the end).
-        exclusive: One item per partition instead of one chunk per worker.
-        keepdim: Keep the split dimension (size 1) in exclusive mode.
+        exclusive: One item per partition, round-robin over the workers, instead of chunks.
+        keepdim: ``False`` removes the split dimension (needs ``exclusive=True``).
         workers: Worker ranks or names to use, in order; ``None`` means all workers.
-        schedule: ``"static"`` (default) or ``"dynamic"``.
+        schedule: ``"static"`` (default) or ``"dynamic"`` (needs ``exclusive=True``): a
+            synchronous call hands each item to the next worker that frees up, for items of
+            uneven cost. Results keep item order.
 
     Returns:
-        A picklable :class:`DimPartitioner`.
+        A :class:`DimPartitioner`.
 
     Raises:
         TypeError: An argument has the wrong type.
@@ -293,7 +284,7 @@ _BATCH = DimPartitioner(0)
 
 
 def batch_partitioner(*args: Any, **kwargs: Any) -> Partitions:
-    """Split every tensor argument along dim 0 over all workers: the default partitioner.
+    """The default partitioner: ``dim_partitioner(0)`` (a function, as in TorchOpt).
 
     Args:
         *args: Positional arguments of the remote function.
@@ -301,9 +292,6 @@ def batch_partitioner(*args: Any, **kwargs: Any) -> Partitions:
 
     Returns:
         One balanced contiguous chunk per worker.
-
-    Raises:
-        ValueError: See :meth:`DimPartitioner.split`.
     """
     return _BATCH(*args, **kwargs)
 
@@ -317,9 +305,6 @@ class TensorDimensionPartitioner(DimPartitioner):
         exclusive: One item per partition instead of one chunk per worker.
         keepdim: Keep the split dimension; ``False`` needs ``exclusive=True``.
         workers: Worker ranks or names to use, in order (default: all workers).
-
-    Raises:
-        ValueError: ``keepdim=False`` without ``exclusive=True`` (TorchOpt raises it too).
 
     Example:
         >>> import torch

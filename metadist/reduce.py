@@ -1,5 +1,6 @@
 """Reducers: ``reducer(results) -> value`` over the partition results in partition order (a
-:class:`PartitionResults`). These reduce pytrees (a tuple, a dict) leaf by leaf."""
+:class:`PartitionResults`). These reduce pytrees (a tuple, a dict) leaf by leaf, and raise
+``ValueError`` for no results or results of different structures or shapes."""
 
 from __future__ import annotations
 
@@ -21,11 +22,8 @@ class PartitionResults(list[Any]):
         items: The per-partition results, in partition order.
 
     Attributes:
-        sizes: Batch items per partition (partition order), or ``None`` when unknown.
-
-    Raises:
-        TypeError: ``sizes`` is not a sequence of ints.
-        ValueError: ``sizes`` does not have one positive size per result.
+        sizes: Batch items per partition, or ``None`` when unknown; checked (``TypeError``,
+            ``ValueError``): wrong sizes would silently skew a weighted mean.
     """
 
     def __init__(self, items: Sequence[Any] = (), sizes: Sequence[int] | None = None) -> None:
@@ -36,8 +34,7 @@ class PartitionResults(list[Any]):
 
 
 def check_sizes(sizes: Any, count: int, name: str, noun: str = "result") -> tuple[int, ...]:
-    """``sizes`` as ``count`` positive ints, else an error naming ``name``: wrong sizes would
-    silently skew a weighted mean."""
+    """``sizes`` as ``count`` positive ints, else an error naming ``name``."""
     if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
         raise TypeError(f"{name} must be a sequence of ints or None, got {sizes!r}")
     try:  # numpy and 0-dim tensor integers are fine, floats and bools are not
@@ -112,8 +109,7 @@ def mean_reducer(results: Sequence[Any]) -> Any:
         The mean, with the structure of one result.
 
     Raises:
-        ValueError: No results, or results with different structures or shapes.
-        TypeError: A leaf mixes tensors and numbers, or is neither.
+        TypeError: A leaf mixes tensors and numbers, or is neither (so for :func:`sum_reducer`).
     """
     sizes = getattr(results, "sizes", None)
     weights = None  # equal sizes: the unweighted mean
@@ -147,10 +143,6 @@ def sum_reducer(results: Sequence[Any]) -> Any:
 
     Returns:
         The sum, with the structure of one result.
-
-    Raises:
-        ValueError: No results, or results with different structures or shapes.
-        TypeError: A leaf mixes tensors and numbers, or is neither.
     """
 
     def combine(values: list[Any], where: Callable[[], str]) -> Any:
@@ -170,9 +162,6 @@ def cat_reducer(results: Sequence[Any], dim: int = 0) -> Any:
 
     Returns:
         The concatenation, with the structure of one result.
-
-    Raises:
-        ValueError: No results, different structures, or shapes that do not concatenate.
     """
     return _join(results, "cat_reducer", "concatenate", torch.cat, dim)
 
@@ -187,9 +176,6 @@ def stack_reducer(results: Sequence[Any], dim: int = 0) -> Any:
 
     Returns:
         The stacked results, with the structure of one result.
-
-    Raises:
-        ValueError: No results, different structures, or different shapes.
     """
     return _join(results, "stack_reducer", "stack", torch.stack, dim)
 

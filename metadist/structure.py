@@ -6,9 +6,6 @@ where each parameter and buffer goes. A plan is rebuilt only when the module's s
 changes (checked on every call, cheaply); the structure bytes travel with every call to a worker
 until a call carrying them has succeeded there. On the worker, a *rebuilder* per fingerprint
 makes a fresh module object per call from the call's tensors (RPC handlers run concurrently).
-
-Non-tensor attributes of a module (e.g. ``dropout.p``) are captured when its structure is first
-sent; call :func:`invalidate_module_cache` after changing them.
 """
 
 from __future__ import annotations
@@ -181,12 +178,8 @@ class SendPlan:
         return (root, *self.submodules)
 
     def still_valid(self, modules: tuple[nn.Module, ...]) -> bool:
-        """Cheap per-call check that every slot the plan depends on is as it was.
-
-        Any difference (a slot added, removed, renamed or reordered, set or emptied; another
-        parameter or child object; tied buffers untied) means the structure must be sent again.
-        O(#slots) with C-level loops (``map``): this runs on every call.
-        """
+        """Whether every slot the plan depends on is as it was (else the structure is sent
+        again); O(#slots) with C-level loops (``map``): this runs on every call."""
         for m, (p_names, p_objs, b_names, b_none, c_names, c_objs) in zip(
             modules, self.checks, strict=True
         ):
@@ -232,8 +225,7 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, SendPlan] = weakref.WeakKeyDictiona
 _PLANS_LOCK = threading.Lock()
 
 # Structures each worker has confirmed (a call that carried them succeeded), per running world:
-# {world token: {worker name: {fingerprint}}}. A structure is sent with every call to a worker
-# until a call carrying it has succeeded, so concurrent first calls never wait for each other.
+# {world token: {worker name: {fingerprint}}}. Concurrent first calls all carry the structure.
 _CONFIRMED: dict[object, dict[str, set[str]]] = {}
 
 
@@ -270,10 +262,8 @@ def clear_module_cache() -> None:
 def plan_for(
     module: nn.Module, describe: Callable[[], str]
 ) -> tuple[SendPlan, tuple[nn.Module, ...]]:
-    """The module's plan (made or remade if its structure changed) and its module list.
-
-    ``describe()`` names the argument in the error raised when the structure cannot be pickled.
-    """
+    """The module's plan (made or remade if its structure changed) and its module list;
+    ``describe()`` names the argument in an error."""
     plan = _PLANS.get(module)
     if plan is not None:
         modules = plan.modules(module)
@@ -309,7 +299,7 @@ class Rebuilder:
 
     def __init__(self, skeleton: nn.Module, specs: tuple[_Spec, ...]) -> None:
         modules = list(skeleton.modules())
-        skip = {"_parameters", "_buffers", "_modules", "training"}
+        skip = _REGISTERED | {"training"}
         self.classes = tuple(type(m) for m in modules)
         self.bases = tuple({k: v for k, v in m.__dict__.items() if k not in skip} for m in modules)
         self.specs = specs

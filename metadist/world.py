@@ -16,21 +16,15 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from metadist.environment import WorldInfo, default_worker_name_format, read_launch_environment
+from metadist.environment import WorldInfo, read_launch_environment
 from metadist.errors import is_connection_lost, is_timeout, worker_gone
 
 __all__ = [
-    "FAILURE",
-    "WorldInfo",
     "announce_job_done",
-    "arrive_async",
-    "arrived_members",
     "barrier",
     "DEFAULT_TIMEOUT",
     "check_rref_world",
     "check_timeout",
-    "default_worker_name_format",
-    "fail_rendezvous",
     "finished_ranks",
     "get_local_rank",
     "get_local_world_size",
@@ -67,8 +61,6 @@ _NOT_INITIALIZED = (
     "start RPC yourself with torch.distributed.rpc.init_rpc first."
 )
 
-
-# The running world
 
 # Counts the RPC worlds of this process as metadist meets them (its own, or one the program
 # started): torch's RRef bookkeeping serves only the first (check_rref_world).
@@ -153,17 +145,15 @@ def in_rpc_world() -> bool:
 
 
 class _DefaultTimeout(float):
-    """The ``timeout`` default of every metadist wait: the running world's RPC timeout (60 s
-    unless configured); see the API reference, "Timeouts". Shown by name in signatures."""
+    """:data:`DEFAULT_TIMEOUT`'s type, which shows it by name in signatures."""
 
     def __repr__(self) -> str:
         return "DEFAULT_TIMEOUT"
 
 
-#: The ``timeout`` default of every metadist wait (remote calls and their backward, ``barrier``,
-#: the distributed optimizer): the running world's RPC timeout (``rpc_backend_options.
-#: rpc_timeout``, 60 s unless configured). Equal to torch's ``UNSET_RPC_TIMEOUT`` (-1.0), so
-#: code written for torchopt that passes that constant keeps working. ``None`` waits forever.
+#: The ``timeout`` default of every metadist wait: the running world's RPC timeout (see the API
+#: reference, "Timeouts"). Equal to torch's ``UNSET_RPC_TIMEOUT`` (-1.0), so code written for
+#: torchopt that passes that constant keeps working.
 DEFAULT_TIMEOUT: float = _DefaultTimeout(-1.0)
 
 #: The longest wait torch's RPC can hold (whole milliseconds in a signed 32-bit number), and
@@ -233,12 +223,7 @@ def require_rpc(api_name: str) -> None:
 
 
 def later_world_problem() -> str | None:
-    """Why RRefs fail in the running world, if it is not this process's first; else ``None``.
-
-    torch's RRef bookkeeping (its ``RRefContext``) is one per process: the first world's
-    shutdown ends it, and a later world never sends an RRef's delete to its owner, so that
-    world's graceful shutdown waits for the delete until it gives up.
-    """
+    """Why RRefs fail in the running world, if it is not this process's first; else ``None``."""
     runtime = _current_runtime()
     if runtime is None or runtime.ordinal == 1:
         return None
@@ -252,14 +237,12 @@ def later_world_problem() -> str | None:
 
 
 def check_rref_world(api: str) -> None:
-    """Refuse an RRef in a later RPC world of this process (:func:`later_world_problem`),
-    before anything is sent: ``RuntimeError`` naming ``api``."""
+    """Raise ``RuntimeError`` naming ``api`` in a later RPC world (:func:`later_world_problem`)."""
     problem = later_world_problem()
     if problem is not None:
         raise RuntimeError(f"{api} cannot send an RRef: {problem}")
 
 
-# Who am I, who are the others
 def get_world_info() -> WorldInfo:
     """Return this worker's ranks and sizes: the running world's, else the launcher's.
 
@@ -312,13 +295,10 @@ def get_local_world_size() -> int:
 
 
 def get_worker_names() -> tuple[str, ...]:
-    """Return the names of all workers.
+    """Return the names of all workers; unlike the ranks and sizes, they need RPC running.
 
     Returns:
         The worker names, in rank order.
-
-    Raises:
-        RuntimeError: RPC is not running (see :func:`metadist.auto_init_rpc`).
     """
     return _runtime("metadist.get_worker_names").names
 
@@ -335,7 +315,7 @@ def get_worker_id(id: str | int | None = None) -> int:  # torchopt's signature
     Raises:
         ValueError: No such worker; the message lists the known workers.
         TypeError: ``id`` is neither ``int``, ``str`` nor ``None``.
-        RuntimeError: A name was given but RPC is not running.
+        RuntimeError: A name was given, or :func:`get_worker_name` called, without RPC running.
     """
     if id is None:
         return get_world_rank()
@@ -356,17 +336,13 @@ def get_worker_id(id: str | int | None = None) -> int:  # torchopt's signature
 
 
 def get_worker_name(id: str | int | None = None) -> str:
-    """Return the name of a worker.
+    """Return the name of a worker; errors as :func:`get_worker_id`.
 
     Args:
         id: A rank, a worker name, or ``None`` for this worker.
 
     Returns:
         The worker's RPC name.
-
-    Raises:
-        ValueError: No such worker.
-        RuntimeError: RPC is not running.
     """
     rank = get_worker_id(id)
     return _runtime("metadist.get_worker_name").names[rank]
@@ -388,13 +364,11 @@ def _known_workers(world_size: int) -> str:
     return f"known worker ranks are 0..{world_size - 1}"
 
 
-# Rendezvous: each member sends (key, member, value) to a coordinator, whose handler returns a
-# future completed once all expected members arrived, so no RPC thread blocks while waiting.
+# Rendezvous: the coordinator's handler returns a future, so no RPC thread blocks while waiting.
 
 _PENDING: dict[tuple[Any, ...], tuple[dict[Any, Any], Future[dict[Any, Any]]]] = {}
 _PENDING_LOCK = threading.Lock()
-# Rendezvous the coordinator gave up on (fail_rendezvous), with why: a member that arrives later
-# learns it at once instead of waiting out its timeout.
+# Rendezvous the coordinator gave up on (fail_rendezvous), with why, for members still to come.
 _FAILED: dict[tuple[Any, ...], str] = {}
 #: The key under which a failed rendezvous' result holds the reason (no member is a tuple).
 FAILURE = ("<failed>",)
@@ -457,19 +431,17 @@ def barrier(
     """Block until every listed worker has called ``barrier`` with the same list; unlike
     TorchOpt's, a failure (a worker that never arrives, a dead peer) raises.
 
-    The first listed worker coordinates the barrier. While it waits there, it checks the
-    workers that have not arrived every :data:`BARRIER_CHECK_S` seconds, and fails the barrier
-    for every member, within about two checks, naming a worker whose process is gone or that
-    finished its job (returned from, or raised out of, the function decorated with
-    :func:`metadist.auto_init_rpc`). Until the coordinator itself arrives, the others wait.
+    The first listed worker coordinates: while it waits, it fails the barrier for every member,
+    within about two :data:`BARRIER_CHECK_S`, naming a worker whose process is gone or that
+    finished its job (returned or raised out of the function decorated with
+    :func:`metadist.auto_init_rpc`).
 
     Args:
         worker_names: Names or ranks to wait for, this worker among them; ``None``: all.
-        timeout: Seconds; :data:`DEFAULT_TIMEOUT`: the world's RPC timeout; ``None``: no limit.
+        timeout: See the API reference, "Timeouts".
 
     Raises:
-        RuntimeError: RPC is not running, or a listed worker is gone or finished its job, so
-            that it will never arrive (the message names it).
+        RuntimeError: RPC is not running, or a listed worker will never arrive.
         TimeoutError: Not every worker arrived within ``timeout`` seconds.
         TypeError: ``worker_names`` is a single name or rank, or ``timeout`` is not a number.
         ValueError: Unknown, no or missing own worker in the list, or a ``timeout`` out of range.
@@ -515,8 +487,8 @@ def barrier(
         raise RuntimeError(f"barrier over {list(group)} failed on {own!r}: {arrived[FAILURE]}")
 
 
-#: How often a barrier's coordinator looks at the members that have not arrived yet (seconds),
-#: and how long a ping may take: a busy worker answers late, which is no failure.
+#: How often a barrier's coordinator checks the members not arrived yet (seconds), and how long a
+#: ping may take: a busy worker answers late, which is no failure.
 BARRIER_CHECK_S = 0.5
 _PING_S = 5.0
 
@@ -524,10 +496,8 @@ _PING_S = 5.0
 def _watch_barrier(
     runtime: _Runtime, key: tuple[Any, ...], group: tuple[str, ...], future: Future[Any]
 ) -> None:
-    """Until ``future`` (the barrier, which this worker coordinates) completes, fail it for every
-    member as soon as a member that has not arrived never will: its connection is gone (a
-    ping fails at once), or it finished its job. torch reports neither to the barrier itself:
-    it waits out its timeout."""
+    """Fail the barrier this worker coordinates (:func:`barrier`) once a member never arrives:
+    torch would wait out its timeout."""
     arrivals: queue.SimpleQueue[Any] = queue.SimpleQueue()
     future.add_done_callback(arrivals.put)
     pings: dict[str, Future[Any]] = {}
@@ -553,7 +523,6 @@ def _watch_barrier(
                     if is_connection_lost(error):
                         gone = worker_gone(name, runtime.names.index(name))
                         reasons[name] = f"{gone}, so it never arrives ({error})"
-        # Who finished the job is known at rank 0, where every worker announces it.
         if done_query is None:
             done_query = _finished_ranks_async()
         elif done_query.done():
@@ -570,15 +539,13 @@ def _watch_barrier(
             return
 
 
-# The job-done protocol: every worker announces at rank 0 that its job is done (auto_init_rpc's
-# shutdown waits there for all of them), and a barrier's coordinator asks rank 0 who finished:
-# a member that finished its job never arrives. Only these functions touch its key.
+# The job-done rendezvous at rank 0: auto_init_rpc's shutdown waits on it, and a barrier's
+# coordinator asks it who finished. Only these functions touch its key.
 _JOB_DONE = ("<done>",)
 
 
 def announce_job_done() -> Future[dict[Any, Any]]:
-    """Announce at rank 0 that this worker's job is done: a future completed once every worker
-    has (no time limit: the others' jobs take as long as they take)."""
+    """Announce at rank 0 that this worker's job is done: a future done once every worker's is."""
     info = _runtime("metadist.world.announce_job_done").info
     return arrive_async(_JOB_DONE, info.world_rank, expected=info.world_size, timeout=0)
 
@@ -632,8 +599,7 @@ def use_process_threads() -> None:
         torch.set_num_threads(torch.get_num_threads())
 
 
-# Rank selectors: the rank is checked at call time, so they can decorate at import. A rank beyond
-# the world never matches, so a script written for N workers runs unchanged in a world of 1.
+# Rank selectors check the rank at call time, so they can decorate at import.
 def _selector(
     api: str, ranks: tuple[int, ...], run_on_listed: bool, *, fixed: bool = False
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
@@ -674,6 +640,9 @@ def _selector(
 def on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Decorate a function to run only on the given ranks; elsewhere it returns ``None``.
 
+    A rank beyond the world never matches, so a script written for N workers runs unchanged in
+    a world of 1.
+
     Args:
         *ranks: The ranks that run the function.
 
@@ -688,40 +657,36 @@ def on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
 
 
 def not_on_rank(*ranks: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
-    """Decorate a function to run on every rank except the given ones (which get ``None``).
+    """:func:`on_rank`'s opposite: the given ranks get ``None``, every other runs the function.
 
     Args:
         *ranks: The ranks that skip the function.
 
     Returns:
         A decorator.
-
-    Raises:
-        ValueError: No rank is given, or one is not a non-negative int.
-        TypeError: The decorator was applied to a function directly, without the ranks.
     """
     return _selector("not_on_rank", ranks, run_on_listed=False)
 
 
 def rank_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
-    """Run ``func`` only on rank 0; other ranks get ``None``.
+    """Run ``func`` only on rank 0: ``@on_rank(0)`` without the brackets.
 
     Args:
         func: The function to guard.
 
     Returns:
-        A wrapper returning ``func``'s result on rank 0 and ``None`` on other ranks.
+        The wrapper.
     """
     return _selector("rank_zero_only", (0,), run_on_listed=True, fixed=True)(func)
 
 
 def rank_non_zero_only(func: Callable[P, R]) -> Callable[P, R | None]:
-    """Run ``func`` on every rank but 0; rank 0 gets ``None``.
+    """Run ``func`` on every rank but 0: ``@not_on_rank(0)`` without the brackets.
 
     Args:
         func: The function to guard.
 
     Returns:
-        A wrapper returning ``func``'s result on ranks other than 0 and ``None`` on rank 0.
+        The wrapper.
     """
     return _selector("rank_non_zero_only", (0,), run_on_listed=False, fixed=True)(func)
