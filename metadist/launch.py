@@ -335,12 +335,12 @@ def _abort() -> None:
 
 def _stalled(gone: list[str], grace: float) -> str:
     """Why torch's graceful shutdown did not end within ``grace`` seconds."""
-    if gone:
-        return f"workers {gone} died after finishing their job; shutdown cannot complete"
     stalled = f"torch's shutdown still waited {grace:g} s after every worker finished its job"
     later = world.later_world_problem()
-    if later is not None:
+    if later is not None:  # every worker's shutdown stalls: one that gave up first is not dead
         return f"{stalled}: {later}"
+    if gone:
+        return f"workers {gone} died after finishing their job; shutdown cannot complete"
     return (
         f"remote calls were still running {grace:g} s after every worker finished its job (a "
         f"call with timeout=None that never returns?); exiting without waiting for them"
