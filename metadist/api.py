@@ -673,8 +673,25 @@ def remote_sync_call(
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
 ) -> Any:
-    """Like :func:`remote_async_call` (the same arguments), but wait for the result and return
-    it, or raise what the future would."""
+    """Like :func:`remote_async_call`, but wait for and return the result.
+
+    Args:
+        func: A module-level function.
+        args: Positional arguments for ``func``.
+        kwargs: Keyword arguments for ``func``.
+        partitioner: Worker id/name or partitioner callable (default: batch_partitioner).
+        reducer: Reducer, or ``None`` for the list of per-partition results.
+        timeout: Per-partition timeout (default: the world's RPC timeout; ``None``: forever).
+        compression: ``None``, ``"bf16"`` or ``"fp16"``.
+
+    Returns:
+        The (reduced) result.
+
+    Raises:
+        TimeoutError: A partition did not finish in time.
+        RemoteError: A partition failed and its exception type could not be rebuilt (otherwise
+            the remote exception's own type is raised).
+    """
     # Waiting on the partitions directly is cheaper than chaining futures.
     call = _start(func, args, kwargs, partitioner, reducer, timeout, compression, sync=True)
     return call.collect()
@@ -686,12 +703,23 @@ def parallelize_async(
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
 ) -> Callable[[Callable[P, Any]], Callable[P, Future[Any]]]:
-    """Decorate a module-level function so that calling it runs a :func:`remote_async_call`
-    with these arguments (checked here, at decoration) and returns its future.
+    """Decorate a module-level function so that calling it runs a :func:`remote_async_call`.
 
-    Workers run the undecorated function (the wrapper keeps it as ``__wrapped__``), so
-    decorating a function defined at the top level of a torchrun script works. Decorating a
-    lambda or a local function raises ``TypeError``.
+    The decorated function returns a future. Workers run the undecorated function (the wrapper
+    keeps it as ``__wrapped__``), so decorating a function defined at the top level of a
+    torchrun script works.
+
+    Args:
+        partitioner: As for :func:`remote_async_call`.
+        reducer: As for :func:`remote_async_call`.
+        timeout: As for :func:`remote_async_call`.
+        compression: As for :func:`remote_async_call`.
+
+    Returns:
+        A decorator.
+
+    Raises:
+        TypeError: (when decorating) a lambda or local function, or bad arguments.
     """
     return _parallelizer(partitioner, reducer, timeout, compression, sync=False)
 
@@ -702,8 +730,20 @@ def parallelize_sync(
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
 ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
-    """:func:`parallelize_async`, but the decorated function runs a :func:`remote_sync_call`
-    and returns the (reduced) result."""
+    """Decorate a module-level function so that calling it runs a :func:`remote_sync_call`.
+
+    Args:
+        partitioner: As for :func:`remote_async_call`.
+        reducer: As for :func:`remote_async_call`.
+        timeout: As for :func:`remote_async_call`.
+        compression: As for :func:`remote_async_call`.
+
+    Returns:
+        A decorator; the decorated function returns the (reduced) result.
+
+    Raises:
+        TypeError: (when decorating) a lambda or local function, or bad arguments.
+    """
     return _parallelizer(partitioner, reducer, timeout, compression, sync=True)
 
 
