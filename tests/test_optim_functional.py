@@ -362,11 +362,16 @@ def test_eager_optimizers_import_no_compiler() -> None:
     [
         (torch.optim.Adam, FunctionalAdam, {"lr": 0.01, "amsgrad": True}),
         (torch.optim.AdamW, FunctionalAdamW, {"lr": 0.01}),
+        (torch.optim.Adam, FunctionalAdam, {"weight_decay": 0.1, "decoupled_weight_decay": True}),
+        (torch.optim.Adam, FunctionalAdam, {"weight_decay": 0.1, "maximize": True}),
     ],
 )
-def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[str, Any]) -> None:
-    """Fused Adam over many small parameters steps them as one flat buffer: same results and
-    state as torch.optim, a per-tensor fallback for partial steps, and a fresh start on load."""
+def test_shared_step_counters(
+    torch_class: type, functional_class: type, kwargs: dict[str, Any]
+) -> None:
+    """Fused Adam steps with torch's kernel called directly, the parameters' step counters one
+    tensor: the same bits and state as torch.optim, torch's path for partial steps, state read
+    or assigned with a counter per parameter."""
     gen = torch.Generator().manual_seed(5)
     init = [torch.randn(s, generator=gen) for s in SHAPES]
     ref_params = [torch.nn.Parameter(t.clone()) for t in init]
@@ -376,33 +381,37 @@ def test_flat_stepping(torch_class: type, functional_class: type, kwargs: dict[s
     plan: list[list[torch.Tensor | None]] = [
         [torch.randn(s, generator=gen) for s in SHAPES] for _ in range(12)
     ]
-    plan[6][1] = plan[6][3] = None  # one partial step, taken per tensor
-    flat = []
+    plan[6][1] = plan[6][3] = None  # one partial step, taken by torch's functional kernel
+    shared = []
     for grads in plan:
         for p, g in zip(ref_params, grads, strict=True):
             p.grad = g
         ref.step()
         optim.step(list(grads))
-        flat.append(optim._flat is not None)
-    # The first step creates the state; a partial step drops the flat buffers, and as the
-    # parameters' step counts then differ, the rest goes per tensor.
-    assert flat == [False] + [True] * 5 + [False] * 6, flat
+        shared.append(optim._shared is not None)
+    # The first step creates the state; a partial step gives each parameter its own counter
+    # back, and as the counts then differ, the rest goes through torch's functional kernel.
+    assert shared == [False] + [True] * 5 + [False] * 6, shared
     for mine, theirs in zip(params, ref_params, strict=True):
-        torch.testing.assert_close(mine, theirs.detach(), atol=1e-6, rtol=1e-6)
+        assert torch.equal(mine, theirs.detach())
+    steps = [optim.state[p]["step"] for p in params]
+    assert len({id(s) for s in steps}) == len(params)  # one counter each, as torch keeps them
     for p, ref_p in zip(params, ref_params, strict=True):
         assert set(optim.state.get(p, {})) == set(ref.state.get(ref_p, {}))
         for key, value in ref.state.get(ref_p, {}).items():
-            torch.testing.assert_close(optim.state[p][key], value, atol=1e-6, rtol=1e-6)
-    # Assigning a state (a load) drops the flat buffers; stepping adopts the new state.
+            assert torch.equal(optim.state[p][key], value), key
+    # Assigning a state (a load) starts afresh; stepping adopts the new state.
     optim.state = {p: {k: v.clone() for k, v in s.items()} for p, s in optim.state.items()}
-    for entry in optim.state.values():  # equal counts again: the state can be stepped flat
+    for entry in optim.state.values():  # equal counts again: the counters can be shared
         entry["step"] = torch.tensor(12.0)
-    assert optim._flat is None
+    assert optim._shared is None
     full = [torch.ones(s) for s in SHAPES]
     before = [p.clone() for p in params]
     optim.step(full)
-    assert optim._flat is not None
+    assert optim._shared is not None
     assert all(not torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    assert all(float(optim.state[p]["step"]) == 13.0 for p in params)
+    assert optim._shared is None  # reading the state gave each parameter its counter back
 
 
 class _UserSGD(torch.optim.SGD):

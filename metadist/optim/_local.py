@@ -253,9 +253,7 @@ class LocalOptimizer:
         """Copies of the state (per parameter) and of the window."""
         with self.lock:
             by_id = {id(p): s for g in self.groups.values() for p, s in g.optim.state.items()}
-            # Tensors cloned, not deep-copied: a deep copy of a view (a flat-stepped parameter's
-            # state) copies its whole buffer.
-            states = [_copy(by_id[id(p)]) if by_id.get(id(p)) else None for p in self.params]
+            states = [copy.deepcopy(by_id.get(id(p))) or None for p in self.params]
             return states, copy.deepcopy(self.accum)
 
     def load_state(
@@ -290,10 +288,6 @@ class LocalOptimizer:
             for a in ("mode", "kernel")
         )
         return modes, kernels, len(self.params)
-
-
-def _copy(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in state.items()}
 
 
 def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:

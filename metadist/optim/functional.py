@@ -102,37 +102,22 @@ def plan(kernel: Callable[..., None]) -> tuple[list[str], str, list[str]]:
     return names, lazy_name, keywords
 
 
-# Below this mean element count per parameter, one fused Adam call over flat buffers beats
-# torch's fused kernel called once per tensor (about 3 us each on CPU), copies included.
-FLAT_MAX_MEAN_NUMEL = 4096
-
-
-class _Flat:
-    """The state of many small parameters in one buffer per name (the parameters' state entries
-    become views of it), with buffers the parameters and gradients are copied into: a step is
-    one kernel call. The parameters' "step" counters share one tensor while this is in use."""
+class _Shared:
+    """Fused Adam/AdamW state whose parameters' "step" counters are one tensor: torch's fused
+    kernel reads each parameter's count, and torch first adds 1 to each (one dispatch per
+    parameter, more than the kernel costs on small ones), here to the one tensor."""
 
     def __init__(self, params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> None:
-        sizes = [p.numel() for p in params]
-        first = params[0]
-        self.param = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
-        self.grad = torch.empty_like(self.param)
-        views = zip(self.param.split(sizes), self.grad.split(sizes), params, strict=True)
-        self.param_views = [v.view_as(p) for v, _, p in views]
-        self.grad_views = [
-            g.view_as(p) for g, p in zip(self.grad.split(sizes), params, strict=True)
-        ]
-        entry: dict[str, Tensor] = {}
-        for name in state[first]:
-            if name == "step":
-                entry[name] = state[first][name].clone()
-                for p in params:
-                    state[p][name] = entry[name]
-                continue
-            entry[name] = torch.cat([state[p][name].reshape(-1) for p in params])
-            for p, view in zip(params, entry[name].split(sizes), strict=True):
-                state[p][name] = view.view_as(p)
-        self.state = {self.param: entry}
+        self.step = state[params[0]]["step"].clone()
+        for p in params:
+            state[p]["step"] = self.step
+        self.steps = [self.step] * len(params)
+        # (max_exp_avg_sq: kept only with amsgrad, then by every parameter, as adoptable checks)
+        exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (
+            [state[p][n] for p in params if n in state[p]]
+            for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        )
+        self.lists = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
 
     @staticmethod
     def adoptable(params: list[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> bool:
@@ -164,19 +149,19 @@ class FunctionalOptimizer:
         self.defaults = flat_hparams(hyper)
         self.flags = {k: bool(v) for k, v in hyper.items() if isinstance(v, bool) or v is None}
         self._strings = {k: v for k, v in hyper.items() if isinstance(v, str)}  # QHM's
+        self._shared: _Shared | None = None
         self.state = {}
         if self.upfront:
             self._lists(self.params, self.state)
-        # Flat stepping pays off for fused Adam/AdamW over many small real tensors of one kind
-        # (SGD's update is too cheap to win back the copies).
+        # Fused Adam/AdamW over real tensors of one kind steps with torch's kernel called here,
+        # its "step" counters shared (see _Shared).
         kinds = {(p.dtype, p.device, p.layout) for p in self.params}
-        self._flattens = (
+        self._shares = (
             self._kernel in (adam, adamw)
             and self.flags.get("fused", False)
-            and len(self.params) > 1
-            and sum(p.numel() for p in self.params) <= FLAT_MAX_MEAN_NUMEL * len(self.params)
-            and kinds == {(self.params[0].dtype, self.params[0].device, torch.strided)}
-            and not any(torch.is_complex(p) for p in self.params)
+            and len(kinds) == 1
+            and self.params[0].layout == torch.strided
+            and not torch.is_complex(self.params[0])
         )
 
     def _hyper(self) -> dict[str, Any]:  # the constructor's arguments but params, by name
@@ -185,12 +170,16 @@ class FunctionalOptimizer:
     @property
     def state(self) -> dict[Tensor, dict[str, Tensor]]:
         """``{parameter: {name: tensor}}``, as ``torch.optim`` keeps it; assign to replace it."""
+        if self._shared is not None:  # each parameter's own step counter back
+            for entry in self._state.values():
+                entry["step"] = entry["step"].clone()
+            self._shared = None
         return self._state
 
     @state.setter
     def state(self, value: dict[Tensor, dict[str, Tensor]]) -> None:
         self._state = value
-        self._flat: _Flat | None = None
+        self._shared = None
 
     def step(self, gradients: list[Tensor | None]) -> None:
         """Update every parameter whose gradient is not ``None``, in place.
@@ -202,22 +191,35 @@ class FunctionalOptimizer:
             ValueError: If ``len(gradients) != len(params)``.
         """
         full = len(gradients) == len(self.params) and all(g is not None for g in gradients)
-        if self._flattens and full:  # (not `None in gradients`: == on 100 tensors costs 1 ms)
-            if self._flat is None and _Flat.adoptable(self.params, self.state):
-                self._flat = _Flat(self.params, self.state)
-            if (flat := self._flat) is not None:
-                # Copied in every step: the parameters may have changed since the last one.
-                with torch.no_grad():
-                    torch._foreach_copy_(flat.param_views, self.params)
-                    torch._foreach_copy_(flat.grad_views, gradients)  # type: ignore[arg-type]
-                    self._run([flat.param], [flat.grad], flat.state)
-                    torch._foreach_copy_(self.params, flat.param_views)
+        if self._shares and full:  # (not `None in gradients`: == on 100 tensors costs 1 ms)
+            if self._shared is None and _Shared.adoptable(self.params, self._state):
+                self._shared = _Shared(self.params, self._state)
+            if (shared := self._shared) is not None:
+                self._fused_adam(shared, gradients)  # type: ignore[arg-type]
                 return
-        if self._flat is not None:  # each parameter's own step counter back, for per-tensor steps
-            for entry in self.state.values():
-                entry["step"] = entry["step"].clone()
-            self._flat = None
         self._run(self.params, gradients, self.state)
+
+    def _fused_adam(self, shared: _Shared, grads: list[Tensor]) -> None:
+        """What ``torch.optim.adam.adam`` runs for fused tensors of one kind (its ``_fused_adam``),
+        the step counters added to once."""
+        decoupled = self._kernel is adamw or self.flags.get("decoupled_weight_decay", False)
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        hyper = self.defaults
+        with torch.no_grad():
+            shared.step.add_(1)
+            kernel(
+                self.params,
+                grads,
+                *shared.lists,
+                shared.steps,
+                amsgrad=self.flags["amsgrad"],
+                lr=hyper["lr"],
+                beta1=hyper["beta1"],
+                beta2=hyper["beta2"],
+                weight_decay=hyper["weight_decay"],
+                eps=hyper["eps"],
+                maximize=self.flags["maximize"],
+            )
 
     def _keeps(self, name: str) -> bool:
         """Whether the state ``name`` is in use: it has no switch, or its switch (a flag or a
