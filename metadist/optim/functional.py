@@ -201,7 +201,8 @@ class FunctionalOptimizer:
 
     def _fused_adam(self, shared: _Shared, grads: list[Tensor]) -> None:
         """What ``torch.optim.adam.adam`` runs for fused tensors of one kind (its ``_fused_adam``),
-        the step counters added to once."""
+        the step counters added to once. torch's kernels are private ops: the tests compare
+        every step with ``torch.optim``'s, bit for bit, on each torch CI runs."""
         decoupled = self._kernel is adamw or self.flags.get("decoupled_weight_decay", False)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         hyper = self.defaults
