@@ -21,7 +21,10 @@ times that batch only (inner steps per task; target: dynamic >= 1.3x faster than
 
 Run: ``python benchmarks/bench_schedule.py`` (``--quick`` for a smoke run; ``--json FILE`` saves
 the skewed batch's rounds for ``bench_overhead.py --summary``, the single process as the
-ideal's double).
+ideal's double). With
+``--timeline DIR`` it also records one step of each schedule on the skewed batch with
+:func:`metadist.timeline.record`, saves the Chrome traces and draws them side by side in
+``DIR/timeline-schedules.png``.
 """
 
 from __future__ import annotations
@@ -107,6 +110,12 @@ def _child(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
             return
         results: dict[str, Any] = {}
         model = make_model()
+        if cfg.get("timeline"):
+            x, steps = batch("skewed", cfg["tasks"])
+            for schedule in ("static", "dynamic"):
+                step(model, x, steps, schedule)  # warm up
+                with metadist.timeline.record(Path(cfg["timeline"]) / f"{schedule}.json"):
+                    step(model, x, steps, schedule)
         for kind in cfg["kinds"]:
             x, steps = batch(kind, cfg["tasks"])
             same = torch.equal(step(model, x, steps, "static"), step(model, x, steps, "dynamic"))
@@ -136,6 +145,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round and variant")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--quick", action="store_true", help="a smoke run")
+    parser.add_argument("--timeline", type=Path, help="save traces and a timeline picture here")
     parser.add_argument(
         "--costs", help="time only this batch: inner steps per task, e.g. 8,1,1,1,8,1,1,1"
     )
@@ -148,6 +158,9 @@ def main() -> None:
         "rounds": args.rounds,
         "kinds": kinds,
     }
+    if args.timeline:
+        args.timeline.mkdir(parents=True, exist_ok=True)
+        cfg["timeline"] = str(args.timeline)
     if args.quick:
         cfg.update(steps=2, rounds=2)
     with tempfile.TemporaryDirectory() as folder:
@@ -190,6 +203,46 @@ def main() -> None:
         rounds.update({"md static": t["static"], "md W=2": t["dynamic"]})
         row = {"base": "plain", "rounds": rounds}
         args.json.write_text(json.dumps({"workloads": {"uneven tasks": row}}))
+    if args.timeline:
+        picture = args.timeline / "timeline-schedules.png"
+        draw_timelines([args.timeline / "static.json", args.timeline / "dynamic.json"], picture)
+        print(f"\ntraces in {args.timeline}; picture {picture}")
+
+
+def draw_timelines(traces: list[Path], picture: Path) -> None:
+    """Draw Chrome traces written by metadist.timeline one above the other (a Gantt chart)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(traces), 1, figsize=(8, 1.6 * len(traces) + 0.6), sharex=True)
+    for ax, path in zip(axes, traces, strict=True):
+        events = json.loads(path.read_text())["traceEvents"]
+        names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+        lanes = sorted(names)
+        for e in events:
+            row = lanes.index(e["pid"]) if e["ph"] != "M" else None
+            if e["ph"] == "X":
+                ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (row - 0.4, 0.8), edgecolor="k")
+                ax.text(
+                    (e["ts"] + e["dur"] / 2) / 1e3,
+                    row,
+                    e["name"].split("[")[1][:-1],
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
+            elif e["ph"] == "i":
+                ax.plot([e["ts"] / 1e3], [row + 0.45], "v", color="tab:red", markersize=4)
+        ax.set_yticks(range(len(lanes)), [names[p] for p in lanes])
+        ax.set_title(
+            f"{path.stem} schedule (bars: task i forward on the worker; red: its gradients sent)",
+            fontsize=9,
+        )
+    axes[-1].set_xlabel("ms since the first partition was sent")
+    fig.tight_layout()
+    fig.savefig(picture, dpi=120)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ A layer over ``torch.distributed.rpc`` and distributed autograd named after
 
 from __future__ import annotations
 
-from metadist import autograd, optim
+from metadist import autograd, optim, timeline
 from metadist.api import (
     parallelize,
     parallelize_async,
@@ -82,6 +82,7 @@ __all__ = [
     "remote_sync_call",
     "stack_reducer",
     "sum_reducer",
+    "timeline",
 ]
 
 # The rest of torchopt.distributed's namespace, so that `import metadist as todist` runs its

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import pickle
 import queue
+import sys
 import threading
 import types
 import weakref
@@ -26,7 +27,7 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import PyRRef  # type: ignore[attr-defined]
 from torch.futures import Future
 
-from metadist import link, structure, transport, world
+from metadist import link, structure, timeline, transport, world
 from metadist import worker as remote_worker
 from metadist._pytree import tree_flatten
 from metadist.errors import (
@@ -38,7 +39,7 @@ from metadist.errors import (
     resolve_qualified_name,
     worker_gone,
 )
-from metadist.messages import CallerState, Request
+from metadist.messages import CallerState, Reply, Request
 from metadist.partition import DimPartitioner, batch_partitioner
 from metadist.reduce import PartitionResults, check_sizes
 from metadist.world import (
@@ -253,6 +254,38 @@ def _rpc_error(
 IN_FLIGHT_PER_WORKER = 2
 
 
+class _Telemetry:
+    """The call's partitions in the active timeline (:mod:`metadist.timeline`)."""
+
+    def __init__(self, log: timeline.Timeline, func_name: str) -> None:
+        self.log = log
+        self.func_name = func_name
+        self.number = log.new_call()
+        self.records: dict[int, timeline.PartitionRecord] = {}
+
+    def sent(self, index: int, worker: str, bytes_out: int) -> None:
+        self.records[index] = self.log.add(
+            timeline.PartitionRecord(
+                self.number, self.func_name, index, worker, timeline.now(), bytes_out=bytes_out
+            )
+        )
+
+    def done(self, index: int, _: Future[Any]) -> None:
+        self.records[index].done = timeline.now()
+
+    def ran_here(self, index: int, result: Any) -> None:
+        record = self.records[index]
+        record.start = record.sent
+        record.end = record.done = timeline.now()
+        if result is not None:
+            record.bytes_in = transport.wire_bytes(result)
+
+    def replied(self, index: int, reply: Reply) -> None:
+        record = self.records[index]
+        record.start, record.end = reply.start, reply.end
+        record.bytes_in = transport.wire_bytes(reply.value)
+
+
 class _Schedule:
     """Which partition runs where, and when.
 
@@ -374,15 +407,23 @@ class _Call:
         self.in_context = False
         self.world_token: object = None
         self.link: link.Link | None = None
+        self.bar: Any = None
         # Run as each sent partition finishes, with its index and future.
         self.callbacks: list[Callable[[int, Future[Any]], None]] = []
         self.lost: list[tuple[str, int]] = []  # partitions whose RPC failed: (worker, index)
+        log = timeline.active()
+        self.telemetry = _Telemetry(log, func_name) if log is not None else None
+        if self.telemetry is not None:
+            self.callbacks.append(self.telemetry.done)
 
     def send(self, index: int, worker: str) -> None:
         """Send partition ``index`` to ``worker`` (encoded already)."""
         self.workers[index] = worker
         request = self.requests.pop(index)
         request = request._replace(release=link.released(self.world_token, worker))
+        if self.telemetry is not None:
+            bytes_out = transport.wire_bytes([request.args, request.kwargs])
+            self.telemetry.sent(index, worker, bytes_out)
         try:
             future = rpc.rpc_async(
                 worker, remote_worker.run_partition, args=(request,), timeout=self.timeout
@@ -402,6 +443,9 @@ class _Call:
             self.link.start()
         self.workers[index] = self.own
         _, args, kwargs = self.parts[index]
+        if self.telemetry is not None:
+            self.telemetry.sent(index, self.own, 0)
+        result = None
         try:
             result = getattr(self.func, _ORIGINAL, self.func)(*args, **kwargs)
             remote_worker.check_result(result)
@@ -412,6 +456,10 @@ class _Call:
             self.local[index] = (False, raised)
         else:
             self.local[index] = (True, result)
+        if self.bar is not None:
+            self.bar.update()
+        if self.telemetry is not None:
+            self.telemetry.ran_here(index, result)
 
     def _outcome(self, index: int) -> tuple[bool, Any]:
         """``(True, value)`` of one partition, or ``(False, exception to raise)``."""
@@ -430,13 +478,18 @@ class _Call:
             structure.mark_structure_confirmed(self.world_token, worker, self.new_structures[index])
         if failed:
             return False, reply.to_exception(index, len(self.workers), self.func_name)
+        if self.telemetry is not None:
+            self.telemetry.replied(index, reply)
         if self.link is not None:
-            return True, self.link.receive(index, worker, reply)
+            record = None if self.telemetry is None else self.telemetry.records[index]
+            return True, self.link.receive(index, worker, reply, record)
         return True, link.result_of(reply)
 
     def collect(self) -> Any:
         """Wait for *every* partition (none is left pending), then reduce or raise."""
         world.wait_all([f for f in self.futures if f is not None])
+        if self.bar is not None:
+            self.bar.close()
         outcomes = [self._outcome(i) for i in range(len(self.workers))]
         gradients, self.link = self.link, None  # the call's graph is the result's, not the call's
         errors = [value for ok, value in outcomes if not ok]
@@ -506,6 +559,7 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
             graph=None if attached else gradients.add(i, sources),
             attached=attached,
             in_context=call.in_context,
+            timed=call.telemetry is not None,
             release=(),
         )
     if gradients.sources:
@@ -534,6 +588,16 @@ def _holds_rref(tree: Any) -> bool:
     return any(isinstance(leaf, PyRRef) for leaf in leaves)  # what rpc.remote returns
 
 
+def _progress_bar(name: str, total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise ImportError(
+            "progress=True draws its bar with tqdm, which is not installed: pip install tqdm"
+        ) from None
+    return tqdm(total=total, desc=name, unit="partition", disable=not sys.stdout.isatty())
+
+
 def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     func: Callable[..., Any],
     args: Sequence[Any] | None,
@@ -542,6 +606,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     reducer: Reducer | None,
     timeout: float | None,
     compression: str | None,
+    progress: bool,
     *,
     sync: bool,
 ) -> _Call:
@@ -568,6 +633,9 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     own = get_worker_name()
     name = getattr(func, "__qualname__", None) or type(func).__name__
     call = _Call(sendable, name, parts, own, reducer, sizes, dtype, rpc_timeout)
+    if progress:
+        bar = call.bar = _progress_bar(name, len(parts))
+        call.callbacks.append(lambda _, __: bar.update())
     # A dynamic schedule decides the workers as they free up (synchronous calls only).
     dynamic = sync and schedule == "dynamic" and len(parts) > 1
     remote = [i for i, (name, _, _) in enumerate(parts) if dynamic or name != own]
@@ -610,6 +678,7 @@ def remote_async_call(
     reducer: Reducer | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
+    progress: bool = False,
 ) -> Future[Any]:
     """Run ``func`` on workers over RPC, map/reduce style, and return a future of the result.
 
@@ -635,6 +704,8 @@ def remote_async_call(
         compression: ``"bf16"`` or ``"fp16"`` casts floating-point tensors (arguments, module
             tensors, results and their gradients) for the wire; ``None`` (default) sends them
             as they are.
+        progress: Draw a progress bar of finished partitions on the caller (needs ``tqdm``;
+            drawn only when standard output is a terminal).
 
     Returns:
         A ``torch.futures.Future``; ``wait()`` returns the (reduced) result or raises. It
@@ -659,7 +730,9 @@ def remote_async_call(
         >>> main()  # a world of 1: one partition
         [tensor([0., 1., 4., 9.])]
     """
-    call = _start(func, args, kwargs, partitioner, reducer, timeout, compression, sync=False)
+    call = _start(
+        func, args, kwargs, partitioner, reducer, timeout, compression, progress, sync=False
+    )
     return _future(call)
 
 
@@ -672,6 +745,7 @@ def remote_sync_call(
     reducer: Reducer | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
+    progress: bool = False,
 ) -> Any:
     """Like :func:`remote_async_call`, but wait for and return the result.
 
@@ -683,6 +757,7 @@ def remote_sync_call(
         reducer: Reducer, or ``None`` for the list of per-partition results.
         timeout: Per-partition timeout (default: the world's RPC timeout; ``None``: forever).
         compression: ``None``, ``"bf16"`` or ``"fp16"``.
+        progress: Draw a progress bar of finished partitions (see :func:`remote_async_call`).
 
     Returns:
         The (reduced) result.
@@ -693,7 +768,9 @@ def remote_sync_call(
             the remote exception's own type is raised).
     """
     # Waiting on the partitions directly is cheaper than chaining futures.
-    call = _start(func, args, kwargs, partitioner, reducer, timeout, compression, sync=True)
+    call = _start(
+        func, args, kwargs, partitioner, reducer, timeout, compression, progress, sync=True
+    )
     return call.collect()
 
 
@@ -702,6 +779,7 @@ def parallelize_async(
     reducer: Reducer | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
+    progress: bool = False,
 ) -> Callable[[Callable[P, Any]], Callable[P, Future[Any]]]:
     """Decorate a module-level function so that calling it runs a :func:`remote_async_call`.
 
@@ -714,6 +792,7 @@ def parallelize_async(
         reducer: As for :func:`remote_async_call`.
         timeout: As for :func:`remote_async_call`.
         compression: As for :func:`remote_async_call`.
+        progress: As for :func:`remote_async_call`.
 
     Returns:
         A decorator.
@@ -721,7 +800,7 @@ def parallelize_async(
     Raises:
         TypeError: (when decorating) a lambda or local function, or bad arguments.
     """
-    return _parallelizer(partitioner, reducer, timeout, compression, sync=False)
+    return _parallelizer(partitioner, reducer, timeout, compression, progress, sync=False)
 
 
 def parallelize_sync(
@@ -729,6 +808,7 @@ def parallelize_sync(
     reducer: Reducer | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     compression: str | None = None,
+    progress: bool = False,
 ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
     """Decorate a module-level function so that calling it runs a :func:`remote_sync_call`.
 
@@ -737,6 +817,7 @@ def parallelize_sync(
         reducer: As for :func:`remote_async_call`.
         timeout: As for :func:`remote_async_call`.
         compression: As for :func:`remote_async_call`.
+        progress: As for :func:`remote_async_call`.
 
     Returns:
         A decorator; the decorated function returns the (reduced) result.
@@ -744,7 +825,7 @@ def parallelize_sync(
     Raises:
         TypeError: (when decorating) a lambda or local function, or bad arguments.
     """
-    return _parallelizer(partitioner, reducer, timeout, compression, sync=True)
+    return _parallelizer(partitioner, reducer, timeout, compression, progress, sync=True)
 
 
 def _parallelizer(
@@ -752,6 +833,7 @@ def _parallelizer(
     reducer: Reducer | None,
     timeout: float | None,
     compression: str | None,
+    progress: bool,
     *,
     sync: bool,
 ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
@@ -760,7 +842,7 @@ def _parallelizer(
     _check_reducer(reducer)
     check_timeout(timeout, "metadist.parallelize")
     transport.resolve_compression(compression)
-    options = (partitioner, reducer, timeout, compression)
+    options = (partitioner, reducer, timeout, compression, progress)
 
     def decorator(func: Callable[P, Any]) -> Callable[P, Any]:
         if not callable(func):

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed.rpc as rpc
 
-from metadist import transport, world
+from metadist import timeline, transport, world
 from metadist import worker as remote_worker
 from metadist._pytree import tree_flatten, tree_unflatten
 from metadist.errors import RemoteError, RemoteFailure, is_connection_lost, is_timeout, worker_gone
@@ -64,6 +64,7 @@ class Graph(NamedTuple):
     key: int
     inputs: list[int]  # positions in the call's argument list
     outputs: int  # how many of the results' tensors require grad
+    record: Any  # the partition's timeline record, or None
 
 
 class _Sent(NamedTuple):
@@ -106,8 +107,14 @@ class RemoteGradients:
             if any(g is not None for g in mine):
                 answer_graph = self.new_key() if create_graph else None
                 per_worker.setdefault(graph.worker, []).append(_Sent(graph, mine, answer_graph))
+        log = timeline.active()
         requests = []
         for worker, items in per_worker.items():
+            if log is not None:
+                log.add_request(worker)
+                for item in items:
+                    if item.graph.record is not None:
+                        item.graph.record.gradients_sent = timeline.now()
             request = GradientRequest(
                 items=[
                     GradientItem(
@@ -192,7 +199,7 @@ def _second_order(
     # first-order results may still need in this pass: keep it for every pass (dropped with
     # the caller's graph).
     answers.retain = True
-    graph = Graph(item.graph.worker, item.answer_graph, list(range(len(sources))), len(kept))
+    graph = Graph(item.graph.worker, item.answer_graph, list(range(len(sources))), len(kept), None)
     answers.graphs.append(graph)
     token = _Arguments.apply(answers, *sources)
     result = list(found)
@@ -365,7 +372,7 @@ class Link:
             with torch.enable_grad():
                 self.token = _Arguments.apply(self.state, *self.sources)
 
-    def receive(self, index: int, worker: str, reply: Reply) -> Any:
+    def receive(self, index: int, worker: str, reply: Reply, record: Any) -> Any:
         """A remote partition's reply: its ``.grad`` writes noted, its result returned, or
         held until :meth:`finish` links it."""
         positions = self.positions.get(index, [])
@@ -378,7 +385,7 @@ class Link:
             transport.unwire_tree(reply.value) if reply.wired else reply.value
         )
         key = self.keys[index]
-        self.state.graphs.append(Graph(worker, key, positions, len(reply.outputs)))
+        self.state.graphs.append(Graph(worker, key, positions, len(reply.outputs), record))
         held = _Held(flat, spec, reply.outputs)
         self._pending.append(held)
         return held

@@ -64,6 +64,7 @@ class Request(NamedTuple):
     graph: int | None  # the key to keep the partition's graph under; None: keep none
     attached: bool  # travels attached to the caller's distributed autograd context
     in_context: bool  # the caller is inside a distributed autograd context
+    timed: bool  # the caller records a timeline
     release: tuple[int, ...]  # keys of this worker's graphs the caller no longer needs
 
 
@@ -75,6 +76,8 @@ class Reply(NamedTuple):
     kept: bool  # their graph is kept under the request's key (else they are fresh leaves)
     grads: tuple[tuple[int, Any], ...]  # (leaf position, its .grad now, wired) where it changed
     wired: bool
+    start: float
+    end: float
 
 
 class GradientItem(NamedTuple):

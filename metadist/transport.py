@@ -57,6 +57,7 @@ __all__ = [
     "unwire",
     "unwire_tree",
     "wire",
+    "wire_bytes",
 ]
 
 _COMPRESSION = {
@@ -581,3 +582,18 @@ def unwire_tree(tree: Any) -> Any:
     """Undo :func:`wire` on every leaf of ``tree``."""
     leaves, spec = tree_flatten(tree)
     return tree_unflatten([unwire(leaf) for leaf in leaves], spec)
+
+
+def wire_bytes(tree: Any) -> int:
+    """Bytes of the tensor data in ``tree`` (encoded) as it travels, module tensors included."""
+    leaves, _ = tree_flatten(tree)
+    total = 0
+    for leaf in leaves:
+        item = leaf
+        while isinstance(item, (_Compressed, _GradLeaf, _Parameter)):
+            item = item.tensor
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, _ModuleRef):
+            total += wire_bytes([item.params, item.buffers])
+    return total

@@ -24,7 +24,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from metadist import transport, world
+from metadist import timeline, transport, world
 from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from metadist.errors import RemoteFailure
 from metadist.messages import Answer, GradientItem, GradientRequest, Reply, Request
@@ -132,7 +132,9 @@ def _grad_changes(
     return tuple(changes)
 
 
-def _reply(result: Any, leaves: list[torch.Tensor], request: Request, given: list[Any]) -> Reply:
+def _reply(
+    result: Any, leaves: list[torch.Tensor], request: Request, given: list[Any], start: float
+) -> Reply:
     """``result`` detached and wired, its graph kept under the request's key when it reaches
     ``leaves``."""
     grads = _grad_changes(leaves, given)
@@ -151,7 +153,15 @@ def _reply(result: Any, leaves: list[torch.Tensor], request: Request, given: lis
             wired = wired or w is not t
             flat[i] = w
     value = tree_unflatten(flat, spec)
-    return Reply(value=value, outputs=outputs, kept=kept, grads=grads, wired=wired)
+    return Reply(
+        value=value,
+        outputs=outputs,
+        kept=kept,
+        grads=grads,
+        wired=wired,
+        start=start,
+        end=timeline.now(),
+    )
 
 
 def _recorded(context_id: int) -> tuple[set[int], set[int]]:
@@ -213,6 +223,7 @@ def run_partition(request: Request) -> Future[Any]:
 
 
 def _run_partition(request: Request) -> Any:
+    start = timeline.now() if request.timed else 0.0
     world.use_process_threads()  # an RPC handler thread: see world.use_process_threads
     me = rpc.get_worker_info().name
     args, kwargs = request.args, request.kwargs
@@ -240,8 +251,16 @@ def _run_partition(request: Request) -> Any:
                     guard.remove()
             check_result(result)
         if request.attached:  # torch's distributed autograd links the tensors of the reply
-            return Reply(value=result, outputs=(), kept=False, grads=(), wired=False)
-        return _reply(result, leaves, request, given)
+            return Reply(
+                value=result,
+                outputs=(),
+                kept=False,
+                grads=(),
+                wired=False,
+                start=start,
+                end=timeline.now(),
+            )
+        return _reply(result, leaves, request, given, start)
     except Exception as error:
         return RemoteFailure.capture(error, me, "call")
     except (SystemExit, GeneratorExit) as error:

@@ -4,13 +4,14 @@ The bad-input table: every bad call (arguments, partitioners, reducers, autograd
 before any request, naming the argument (see _bad_input). Then one world of 3 runs the calls
 themselves: partitions balanced and in order, reducers, worker partitioners, futures and
 decorators, remote errors keeping their type, worker and traceback, timeouts, the in-process
-partition, nested fan-out wider than the RPC thread pool, and the dynamic schedule.
+partition, nested fan-out wider than the RPC thread pool, the dynamic schedule and progress bars.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import math
 import os
 import sys
@@ -718,6 +719,21 @@ class _ByX:
         return [(worker, (w, *a), k) for worker, a, k in self.split(x)]
 
 
+def parallelize_draws_progress(world_size: int) -> None:
+    bar = io.StringIO()
+    stdout, stderr = sys.stdout, sys.stderr
+    tty = type("Tty", (io.StringIO,), {"isatty": lambda self: True})()
+    sys.stdout, sys.stderr = tty, bar
+    try:
+        split = _ByX(md.dim_partitioner(0, exclusive=True))
+        md.parallelize(split, reducer=md.cat_reducer, progress=True)(leaf_loss)(
+            torch.ones(3), torch.ones(6, 3)
+        )
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
+    assert "6/6" in bar.getvalue(), bar.getvalue()
+
+
 SCENARIOS: list[Callable[[int], Any]] = [
     partitions_are_balanced_and_in_order,
     reducers_exclusive_and_pytree_results,
@@ -733,6 +749,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     dynamic_schedule_equals_static,
     dynamic_schedule_errors_name_task_and_worker,
     partitions_use_the_process_thread_count,
+    parallelize_draws_progress,
 ]
 
 

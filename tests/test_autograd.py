@@ -34,7 +34,6 @@ from torch import nn
 
 import metadist as md
 from metadist import autograd as mag
-from metadist import link
 from metadist import worker as remote_worker
 from metadist.api import parallelize, remote_sync_call
 from metadist.partition import dim_partitioner
@@ -519,35 +518,16 @@ def partial_repeated_and_retained_passes(world_size: int) -> None:
     assert_close(g, gl, "after an unused result")
 
 
-@contextlib.contextmanager
-def gradient_requests() -> Any:
-    """The gradient requests this process sends while the block runs: ``(worker, time)``,
-    noted as each backward pass's requests have left (a spy on the caller's side)."""
-    sent: list[tuple[str, float]] = []
-    send = link.RemoteGradients.send
-
-    def spy(self: link.RemoteGradients, *args: Any) -> int:
-        number = send(self, *args)
-        sent.extend((worker, time.time()) for worker, _, _ in self.sent[number])
-        return number
-
-    link.RemoteGradients.send = spy  # type: ignore[method-assign]
-    try:
-        yield sent
-    finally:
-        link.RemoteGradients.send = send  # type: ignore[method-assign]
-
-
 def one_gradient_request_per_worker_per_backward(world_size: int) -> None:
     w = torch.randn(3, requires_grad=True)
     x = torch.randn(24, 3)
-    with gradient_requests() as sent:
+    with md.timeline.record() as log:
         out = md.remote_sync_call(
             leaf_loss, args=(w, x), partitioner=_Chunks([1, 1, 1, 2, 2, 2]), reducer=md.cat_reducer
         )
-        assert out.shape == (24,)
         out.sum().backward()
-    assert sorted(worker for worker, _ in sent) == ["worker1", "worker2"]
+    assert len(log.partitions) == 6
+    assert sorted(worker for worker, _ in log.gradient_requests) == ["worker1", "worker2"]
 
 
 class _Chunks:
@@ -760,13 +740,13 @@ def _overlaps(model: nn.Module, x: torch.Tensor, overlapped: list[Any]) -> None:
             partitioner=md.dim_partitioner(0, workers=[0, 1]),
             reducer=md.mean_reducer,
         )
-        with gradient_requests() as requests:
+        with md.timeline.record() as log:
             loss.backward()
         local = stamps()
         (remote,) = md.remote_sync_call(stamps, partitioner=1)
         # The node that sends worker 1 its gradients runs before the caller's own partition's
         # backward, every time,
-        ((_, sent),) = requests
+        ((_, sent),) = log.gradient_requests
         assert sent < local["start"], (sent, local)
         # so worker 1 starts before rank 0 is done.
         overlapped.append((remote["start"] < local["end"], remote, local))
