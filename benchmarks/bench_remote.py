@@ -205,6 +205,7 @@ def _bytes(model: nn.Module) -> None:
             graph=1,
             attached=False,
             in_context=False,
+            timed=False,
             release=(),
         )
         return _wire_bytes((run_partition, (request,), {}))
