@@ -369,12 +369,9 @@ class _Schedule:
 
 
 class _Call:
-    """The partitions of one remote call, and how to turn them into its result.
-
-    Partitions whose worker is the caller itself run in-process, on the calling thread
-    (``local`` holds their outcomes); the others are RPC futures, their gradients linked by
-    :class:`metadist.link.Link`.
-    """
+    """The partitions of one remote call, and how to turn them into its result: those whose
+    worker is the caller run in-process, on the calling thread (``local`` holds their outcomes),
+    the others are RPC futures, their gradients linked by :class:`metadist.link.Link`."""
 
     def __init__(  # noqa: PLR0917 - internal
         self,
@@ -401,8 +398,7 @@ class _Call:
         self.local: dict[int, tuple[bool, Any]] = {}
         self.requests: dict[int, Request] = {}
         self.new_structures: list[tuple[str, ...]] = [()] * count
-        # Set by _encode: what a remote partition needs of the caller (a call that runs only
-        # here needs neither, and reduces on the caller's thread).
+        # Set by _encode: only remote partitions need them (a call run here reduces here).
         self.state: CallerState | None = None
         self.in_context = False
         self.world_token: object = None
