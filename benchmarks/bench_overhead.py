@@ -409,7 +409,9 @@ def _pair_child(rank: int, ports: tuple[int, int], cfg: dict[str, Any], out: str
     main()
 
 
-ONE = ["plain", "plain 2T", "md W=1", "md ctx W=1", "torch ctx W=1"]
+# The world of 1: metadist's two forms and their floor, beside plain torch on 1 and 2 threads.
+W1 = ["md W=1", "md ctx W=1", "torch ctx W=1"]
+ONE = ["plain", "plain 2T", *W1]
 
 
 def _world_of_one(cfg: dict[str, Any], out: str) -> None:
@@ -421,7 +423,7 @@ def _world_of_one(cfg: dict[str, Any], out: str) -> None:
     def main() -> None:
         results: dict[str, Any] = {"times": {}, "errors": {}}
         for tasks in cfg["tasks"]:
-            for name in ONE[1:]:
+            for name in ONE[1:]:  # checked against plain
                 results["errors"][f"{name}/{tasks}"] = check_grad(name, tasks, STEPS[name])
             results["times"][str(tasks)] = time_interleaved(ONE, tasks, cfg["steps"], cfg["rounds"])
         Path(out).write_text(json.dumps(results))
@@ -486,7 +488,7 @@ def report(times: dict[int, dict[str, list[float]]], errors: dict[str, float]) -
             if rounds is None:
                 cells.append(f"{'-':>17}")
                 continue
-            base = per["plain (1)"] if name in ONE[1:] else per["limit"]
+            base = per["plain (1)"] if name in ("plain 2T", *W1) else per["limit"]
             ratio = _ratio(rounds, base)[0]
             cells.append(f"{statistics.median(rounds):6.2f} ({ratio:4.2f}x)".rjust(17))
         lines.append(f"{tasks:>5} " + " ".join(cells))
@@ -529,7 +531,7 @@ def workloads(times: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for tasks, per in sorted(times.items()):
         rows = {name: per[name] for name in NAMES if name in per and "2T" not in name}
-        for name in ONE[2:]:
+        for name in W1:
             rows.pop(name, None)
         rows["torch rpc"] = rows.pop("raw W=2")
         if "plain 2T (1)" in per:  # timed beside the world of 1's plain step: scaled to this one
@@ -537,7 +539,7 @@ def workloads(times: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
             rows["plain 2T"] = [t * k for t, k in zip(per["plain 2T (1)"], scale, strict=True)]
         out[f"sinusoid {tasks}"] = {"base": "plain", "rounds": rows}
         if tasks == min(times) and "md W=1" in per:
-            rows = {"plain": per["plain (1)"]} | {name: per[name] for name in ONE[2:]}
+            rows = {"plain": per["plain (1)"]} | {name: per[name] for name in W1}
             out[f"world of 1 ({tasks})"] = {"base": "plain", "rounds": rows}
     return out
 
