@@ -268,18 +268,35 @@ class _Probe(torch.autograd.Function):
     """Pass one result through; its saved marker outlives only a pass that keeps the graph.
 
     One per result, so that passes through different results of one call are independent, as
-    they are locally when the results share no saved tensors.
+    they are locally when the results share no saved tensors. Results that share memory on the
+    worker (a tensor and a view of it) arrive sharing it, but as separate outputs: each probe
+    also saves the others, so that a backward through one after an in-place change of another
+    is refused (in one process the change would reach it through the view).
     """
 
     @staticmethod
-    def forward(ctx: Any, state: Any, output: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(torch.empty(0))
+    def forward(ctx: Any, state: Any, output: torch.Tensor, *aliases: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(torch.empty(0), *aliases)
         state.probes.append(weakref.ref(ctx))
         return output.detach()  # not the input itself: in-place ops on it work as on any result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return None, grad
+        if len(ctx.needs_input_grad) > 2:  # aliased: torch checks the saved versions on unpacking
+            try:
+                ctx.saved_tensors  # noqa: B018
+            except RuntimeError as error:
+                raise RuntimeError(_ALIASED) from error
+        return None, grad, *[None] * (len(ctx.needs_input_grad) - 2)
+
+
+_ALIASED = (
+    "a result of a remote call shares memory with another result of the same partition (a "
+    "tensor and a view of it, say), and that other result was changed in place after the call: "
+    "in one process the change would reach this one's gradient through the view, but the worker "
+    "returned them as separate tensors. Change a copy (result.clone()) instead, or return only "
+    "one of them"
+)
 
 
 def _retained(probe: Any) -> bool:
@@ -302,16 +319,36 @@ def _retained(probe: Any) -> bool:
 def _linked(
     state: RemoteGradients, token: torch.Tensor, outputs: list[torch.Tensor]
 ) -> list[torch.Tensor]:
-    return [_Probe.apply(state, t) for t in _Results.apply(state, outputs, token)]
+    results = _Results.apply(state, outputs, token)
+    aliases = _aliases(outputs)
+    return [
+        _Probe.apply(state, t, *(results[j] for j in aliases.get(i, ())))
+        for i, t in enumerate(results)
+    ]
+
+
+def _aliases(outputs: list[torch.Tensor]) -> dict[int, list[int]]:
+    """For each output sharing memory with others, their positions (outputs of one message
+    share memory only where they did on the worker)."""
+    by_storage: dict[int, list[int]] = {}
+    for i, t in enumerate(outputs):
+        if t.layout == torch.strided and not t.is_meta and t.numel():
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    return {
+        i: [j for j in group if j != i]
+        for group in by_storage.values()
+        if len(group) > 1
+        for i in group
+    }
 
 
 def result_of(reply: Reply) -> Any:
     """The result of a reply whose graph was not kept: its tensors that required grad are
     fresh leaves, as a leaf made inside a local call would be."""
     value = transport.unwire_tree(reply.value) if reply.wired else reply.value
-    if reply.outputs:
+    if reply.outputs or reply.fresh:
         flat, _ = tree_flatten(value)
-        for i in reply.outputs:
+        for i in (*reply.outputs, *reply.fresh):
             flat[i].requires_grad_(True)
     return value
 
@@ -384,6 +421,8 @@ class Link:
         flat, spec = tree_flatten(
             transport.unwire_tree(reply.value) if reply.wired else reply.value
         )
+        for i in reply.fresh:
+            flat[i].requires_grad_(True)
         key = self.keys[index]
         self.state.graphs.append(Graph(worker, key, positions, len(reply.outputs), record))
         held = _Held(flat, spec, reply.outputs)
@@ -402,8 +441,10 @@ class Link:
         with torch.enable_grad():
             linked = iter(_linked(self.state, self.token, outputs))
         for flat, _, indices in self._pending:
-            for i in indices:
-                flat[i] = next(linked)
+            # A tensor in two places of a result arrived as one object: both get its output.
+            mine = {id(flat[i]): next(linked) for i in indices}
+            for j, leaf in enumerate(flat):
+                flat[j] = mine.get(id(leaf), leaf)
         self._pending = []
         return [tree_unflatten(v.flat, v.spec) if isinstance(v, _Held) else v for v in values]
 

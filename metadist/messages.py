@@ -73,7 +73,8 @@ class Reply(NamedTuple):
 
     value: Any  # the result, detached (its tensors wired where ``wired``)
     outputs: tuple[int, ...]  # flat indices of the result's tensors that required grad
-    kept: bool  # their graph is kept under the request's key (else they are fresh leaves)
+    fresh: tuple[int, ...]  # flat indices of the leaves the function made (leaves on the caller)
+    kept: bool  # the outputs' graph is kept under the request's key (else they are leaves too)
     grads: tuple[tuple[int, Any], ...]  # (leaf position, its .grad now, wired) where it changed
     wired: bool
     start: float

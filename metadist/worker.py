@@ -128,8 +128,48 @@ def _grad_changes(
             continue
         if start is not None and now is start and transport.unchanged(now, copy):
             continue
+        if now is not None and now.requires_grad:
+            raise RuntimeError(_GRAD_WITH_GRAPH.format(shape=tuple(leaf.shape)))
         changes.append((k, None if now is None else transport.wire(now.detach(), None)))
     return tuple(changes)
+
+
+_GRAD_WITH_GRAPH = (
+    "a backward pass inside this remote partition left a .grad that has a graph "
+    "(backward(create_graph=True)) on a tensor of shape {shape} among its arguments: in one "
+    "process the caller could differentiate that .grad, but it reaches the caller as a value "
+    "only. Return the gradients from the function instead "
+    "(torch.autograd.grad(..., create_graph=True)), or run the partition on the caller "
+    "(partitioner=0)"
+)
+
+
+def _fresh(
+    flat: list[Any], differentiable: list[int], leaves: list[torch.Tensor]
+) -> tuple[int, ...]:
+    """The results that are leaves made by the function: they reach the caller as leaves of its
+    own, so no kept result may depend on one (its share of the gradient would stay here)."""
+    own = {id(t) for t in leaves}
+    fresh = tuple(i for i in differentiable if flat[i].is_leaf and id(flat[i]) not in own)
+    if not fresh or len(fresh) == len(differentiable):
+        return fresh
+    targets = {id(flat[i]) for i in fresh}
+    seen: set[Any] = set()
+    nodes = [flat[i].grad_fn for i in differentiable if i not in fresh]
+    while nodes:  # the graph of the other results, for the fresh leaves' AccumulateGrad nodes
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in targets:
+            raise RuntimeError(
+                "the result holds a leaf tensor that requires grad, made by the function, and "
+                "another result computed from it: the caller gets the leaf as a leaf of its own, "
+                "and the gradient that reaches it through the other result would stay on the "
+                "worker. Return one of them only, or make the leaf on the caller and pass it in"
+            )
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return fresh
 
 
 def _reply(
@@ -139,23 +179,31 @@ def _reply(
     ``leaves``."""
     grads = _grad_changes(leaves, given)
     flat, spec = tree_flatten(result)
-    outputs = tuple(
+    differentiable = [
         i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
-    )
+    ]
+    fresh = _fresh(flat, differentiable, leaves)
+    # One tensor in two places of the result is one output (and one object on the caller).
+    firsts = {id(flat[i]): i for i in reversed(differentiable)}
+    outputs = tuple(i for i in differentiable if firsts[id(flat[i])] == i and i not in fresh)
     kept = bool(outputs and leaves) and request.graph is not None
     if kept:
         assert request.graph is not None
         _keep(request.graph, leaves, [flat[i] for i in outputs])
     wired = False
+    sent: dict[int, Any] = {}
     for i, t in enumerate(flat):
         if isinstance(t, torch.Tensor):
-            w = transport.wire(t.detach(), request.compression)
-            wired = wired or w is not t
+            w = sent.get(id(t))
+            if w is None:
+                w = sent[id(t)] = transport.wire(t.detach(), request.compression)
+            wired = wired or not isinstance(w, torch.Tensor)
             flat[i] = w
     value = tree_unflatten(flat, spec)
     return Reply(
         value=value,
         outputs=outputs,
+        fresh=fresh,
         kept=kept,
         grads=grads,
         wired=wired,
@@ -254,6 +302,7 @@ def _run_partition(request: Request) -> Any:
             return Reply(
                 value=result,
                 outputs=(),
+                fresh=(),
                 kept=False,
                 grads=(),
                 wired=False,

@@ -1278,6 +1278,109 @@ def results_behave_as_local_ones(world_size: int) -> None:
             s.backward()
 
 
+def score_and_fresh_leaf(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (w * 2).sum(), torch.zeros(3, requires_grad=True)  # a new leaf, e.g. a task head
+
+
+def fresh_leaf_and_its_use(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    z = torch.zeros(3, requires_grad=True)
+    return z, (z * w).sum()
+
+
+def base_and_view(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = w * 2
+    return y, y[:2]
+
+
+def one_tensor_twice(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = w * 2
+    return y, y
+
+
+def grad_with_graph_inside(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = m(x).pow(2).mean()
+    loss.backward(create_graph=True)  # .grad keeps a graph: a gradient penalty would use it
+    return loss.detach()
+
+
+def fresh_leaves_and_shared_results_are_exact_or_refused(world_size: int) -> None:
+    for form in ("plain", "context"):
+        for where in ("local", 0, 1):
+
+            def call(f: Callable[..., Any], *args: Any, where: Any = where) -> Any:
+                if where == "local":
+                    return f(*args)
+                return md.remote_sync_call(f, args=args, partitioner=where)[0]
+
+            what = f"{form}, {where}"
+            # A leaf made by the function reaches the caller as a leaf, beside a result that
+            # depends on an argument, and gets its gradient there.
+            w = torch.ones(3, requires_grad=True)
+            out: list[torch.Tensor] = []
+
+            def loss(w: torch.Tensor = w, out: list[torch.Tensor] = out) -> torch.Tensor:
+                out.extend(call(score_and_fresh_leaf, w))
+                return out[0] + out[1].sum()
+
+            _in_form(form, loss)
+            assert out[1].is_leaf, what
+            assert out[1].grad.tolist() == [1.0, 1.0, 1.0], what
+            assert w.grad.tolist() == [2.0, 2.0, 2.0], what  # type: ignore[union-attr]
+            # One tensor in two places of a result is one object, in-place changes included.
+            w = torch.ones(3, requires_grad=True)
+            a, b = call(one_tensor_twice, w)
+            assert a is b, what
+            a.mul_(3)
+            _in_form(form, lambda b=b: b.sum())
+            assert w.grad.tolist() == [6.0, 6.0, 6.0], what  # type: ignore[union-attr]
+            # A result and a view of it: exact, and an in-place change of one seen through the
+            # other is refused where the worker returned them apart.
+            w = torch.ones(3, requires_grad=True)
+            a, b = call(base_and_view, w)
+            _in_form(form, lambda a=a, b=b: a.sum() + 2 * b.sum())
+            assert w.grad.tolist() == [6.0, 6.0, 2.0], what  # type: ignore[union-attr]
+            w = torch.ones(3, requires_grad=True)
+            a, b = call(base_and_view, w)
+            a.mul_(3)
+            assert b.tolist() == [6.0, 6.0], what
+            if where == 1:
+                with pytest.raises(RuntimeError, match="shares memory with another result"):
+                    _in_form(form, lambda b=b: b.sum())
+            else:
+                _in_form(form, lambda b=b: b.sum())
+                assert w.grad.tolist() == [6.0, 6.0, 0.0], what  # type: ignore[union-attr]
+            # A kept result computed from a fresh leaf: its share would stay on the worker.
+            w = torch.ones(3, requires_grad=True)
+            if where == 1:
+                with pytest.raises(RuntimeError, match="another result computed from it"):
+                    call(fresh_leaf_and_its_use, w)
+            else:
+                z, s = call(fresh_leaf_and_its_use, w)
+                _in_form(form, lambda z=z, s=s: s + z.sum())
+                assert z.grad.tolist() == [2.0, 2.0, 2.0], what
+    # A .grad with a graph, left by a backward inside the partition: exact on the caller's own
+    # partition, refused on a worker's (it would reach the caller as a value only).
+    torch.manual_seed(2)
+    x = torch.randn(4, 3)
+    for where in ("local", 0, 1):
+        torch.manual_seed(3)
+        m = nn.Linear(3, 1)
+        if where == 1:
+            with pytest.raises(RuntimeError, match=r"left a \.grad that has a graph"):
+                md.remote_sync_call(grad_with_graph_inside, args=(m, x), partitioner=1)
+            continue
+        if where == "local":
+            loss = grad_with_graph_inside(m, x)
+        else:
+            (loss,) = md.remote_sync_call(grad_with_graph_inside, args=(m, x), partitioner=0)
+        penalty = sum(p.grad.pow(2).sum() for p in m.parameters())  # type: ignore[union-attr]
+        got = torch.autograd.grad(penalty, m.weight)[0]
+        if where == "local":
+            want = got
+        else:
+            assert_close(got, want, "gradient penalty on .grad")
+
+
 def meta_tensors_travel_as_meta(world_size: int) -> None:
     m = nn.Linear(4, 2, device="meta")
     x = torch.empty(5, 4, device="meta")
@@ -1511,6 +1614,7 @@ EDGES: list[Callable[[int], Any]] = [
     no_graph_outlives_timeouts_or_failed_siblings,
     caller_state_travels,
     results_behave_as_local_ones,
+    fresh_leaves_and_shared_results_are_exact_or_refused,
     meta_tensors_travel_as_meta,
     zero_grad_inside_a_partition_is_exact_or_refused,
     user_code_runs_as_often_and_when_as_locally,
