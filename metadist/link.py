@@ -384,8 +384,8 @@ class Link:
         self.keys: dict[int, int] = {}
         self.token: torch.Tensor | None = None
         self._pending: list[_Held] = []
-        # (partition and its worker, position in sources, the .grad it left)
-        self._written: list[tuple[str, int, torch.Tensor | None]] = []
+        # (partition and its worker, position in sources, the .grad it left, changed in place)
+        self._written: list[tuple[str, int, torch.Tensor | None, bool]] = []
 
     def add(self, index: int, sources: list[torch.Tensor]) -> int | None:
         """Note partition ``index``'s arguments that require grad; the key for its graph."""
@@ -413,9 +413,10 @@ class Link:
         """A remote partition's reply: its ``.grad`` writes noted, its result returned, or
         held until :meth:`finish` links it."""
         positions = self.positions.get(index, [])
-        for k, wired in reply.grads:
+        for k, wired, in_place in reply.grads:
             grad = None if wired is None else transport.unwire(wired)
-            self._written.append((f"partition {index} (on {worker!r})", positions[k], grad))
+            partition = f"partition {index} (on {worker!r})"
+            self._written.append((partition, positions[k], grad, in_place))
         if not reply.kept:
             return result_of(reply)
         flat, spec = tree_flatten(
@@ -462,16 +463,16 @@ class Link:
         """
         written, self._written = self._written, []
         through: list[tuple[torch.Tensor, torch.Tensor]] = []
-        by_source: dict[int, list[tuple[str, torch.Tensor | None]]] = {}
-        for partition, position, grad in written:
-            by_source.setdefault(position, []).append((partition, grad))
+        by_source: dict[int, list[tuple[str, torch.Tensor | None, bool]]] = {}
+        for partition, position, grad, in_place in written:
+            by_source.setdefault(position, []).append((partition, grad, in_place))
         for position, writes in by_source.items():
             source = self.sources[position]
             start = self._grads.get(position)
             if not source.is_leaf:
-                through += [(source, g.to(source.dtype)) for _, g in writes if g is not None]
+                through += [(source, g.to(source.dtype)) for _, g, _ in writes if g is not None]
             elif start is None:
-                for _, g in writes:
+                for _, g, _ in writes:
                     assert g is not None  # a leaf that had none only gains one
                     g = g.to(source.dtype)  # noqa: PLW2901
                     with torch.no_grad():
@@ -481,15 +482,19 @@ class Link:
                     source.grad, start.copy
                 )
                 if len(writes) > 1 or mine:
-                    writers = [partition for partition, _ in writes]
+                    writers = [partition for partition, _, _ in writes]
                     if mine:
                         writers.insert(0, "the caller's own partition")
                     what = f"a tensor of shape {tuple(source.shape)} among its arguments"
                     raise RuntimeError(
                         _TWO_WRITERS.format(partitions=", ".join(writers), what=what)
                     )
-                g = writes[0][1]
-                source.grad = None if g is None else g.to(source.dtype)
+                _, g, in_place = writes[0]
+                if in_place and g is not None:  # as a backward there accumulates: in place
+                    with torch.no_grad():
+                        start.grad.copy_(g)
+                else:
+                    source.grad = None if g is None else g.to(source.dtype)
         if through:
             sources, grads = zip(*through, strict=True)
             try:

@@ -75,7 +75,8 @@ class Reply(NamedTuple):
     outputs: tuple[int, ...]  # flat indices of the result's tensors that required grad
     fresh: tuple[int, ...]  # flat indices of the leaves the function made (leaves on the caller)
     kept: bool  # the outputs' graph is kept under the request's key (else they are leaves too)
-    grads: tuple[tuple[int, Any], ...]  # (leaf position, its .grad now, wired) where it changed
+    # (leaf position, its .grad now (wired), whether changed in place) where it changed
+    grads: tuple[tuple[int, Any, bool], ...]
     wired: bool
     start: float
     end: float

@@ -118,7 +118,7 @@ def check_result(result: Any) -> None:
 
 def _grad_changes(
     leaves: list[torch.Tensor], given: list[tuple[Any, Any]]
-) -> tuple[tuple[int, Any], ...]:
+) -> tuple[tuple[int, Any, bool], ...]:
     """Each leaf's ``.grad`` where the function changed it: ``given`` holds what the leaf got
     (the caller's ``.grad``, or ``None``) and a copy to compare with."""
     changes = []
@@ -130,7 +130,8 @@ def _grad_changes(
             continue
         if now is not None and now.requires_grad:
             raise RuntimeError(_GRAD_WITH_GRAPH.format(shape=tuple(leaf.shape)))
-        changes.append((k, None if now is None else transport.wire(now.detach(), None)))
+        wired = None if now is None else transport.wire(now.detach(), None)
+        changes.append((k, wired, now is start))  # in place: the caller's .grad object takes it
     return tuple(changes)
 
 

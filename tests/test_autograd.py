@@ -1358,6 +1358,17 @@ def fresh_leaves_and_shared_results_are_exact_or_refused(world_size: int) -> Non
                 z, s = call(fresh_leaf_and_its_use, w)
                 _in_form(form, lambda z=z, s=s: s + z.sum())
                 assert z.grad.tolist() == [2.0, 2.0, 2.0], what
+    # A backward inside the partition accumulates into the caller's .grad object, as locally.
+    for where in ("local", 0, 1):
+        w = torch.ones(3, requires_grad=True)
+        w.grad = torch.ones(3)
+        before = w.grad
+        if where == "local":
+            writes_grad(w)
+        else:
+            md.remote_sync_call(writes_grad, args=(w,), partitioner=where)
+        assert w.grad is before, where
+        assert w.grad.tolist() == [3.0, 3.0, 3.0], where
     # A .grad with a graph, left by a backward inside the partition: exact on the caller's own
     # partition, refused on a worker's (it would reach the caller as a value only).
     torch.manual_seed(2)
