@@ -120,12 +120,24 @@ class _GradLeaf(_Wire):
 
     tensor: Any
     parameter: bool
-    hooked: bool  # see _hooks_skipped
+    hooked: int  # the caller's tensor's _hook_flags: see _guard
     origin: int  # _LEAF, _LEAF_VIEW or _COMPUTED
     grad: Any  # the caller's leaf's .grad (wired), or None
 
 
 _LEAF, _LEAF_VIEW, _COMPUTED = 0, 1, 2
+
+
+# Hooks of a caller's tensor that a worker's copy cannot run (bits; see _guard): tensor hooks
+# (register_hook), and post-accumulate-grad hooks (register_post_accumulate_grad_hook).
+_TENSOR_HOOKS, _ACCUMULATE_HOOKS = 1, 2
+
+
+def _hook_flags(t: torch.Tensor) -> int:
+    flags = _TENSOR_HOOKS if t._backward_hooks else 0
+    if t._post_accumulate_grad_hooks:
+        flags |= _ACCUMULATE_HOOKS
+    return flags
 
 
 def _origin(t: torch.Tensor) -> int:
@@ -152,7 +164,7 @@ class _ModuleRef(_Wire):
     buffers: tuple[Any, ...]
     training: int
     requires_grad: int
-    hooked: int  # parameters with tensor hooks on the caller (bits): see _hooks_skipped
+    hooked: int  # each parameter's _hook_flags on the caller, two bits each: see _guard
     grads: tuple[Any, ...]  # each parameter's .grad (wired, or None); () when none has one
 
 
@@ -260,7 +272,11 @@ def _encode_module(
         for _, name, p in plan.param_reads:
             _refuse(p, where, f"parameter {name!r} of module argument")
     requires_grad = sum(1 << i for i, (_, _, p) in enumerate(plan.param_reads) if p.requires_grad)
-    hooked = sum(1 << i for i, (_, _, p) in enumerate(plan.param_reads) if p._backward_hooks)
+    hooked = sum(
+        _hook_flags(p) << 2 * i
+        for i, (_, _, p) in enumerate(plan.param_reads)
+        if p._backward_hooks or p._post_accumulate_grad_hooks  # rare: no call for the others
+    )
     params = [_sent_tensor(p, dtype, memo, attached) for _, _, p in plan.param_reads]
     buffers = tuple(
         None if (b := modules[k]._buffers.get(name)) is None else wire(b.detach(), dtype)
@@ -441,8 +457,9 @@ def encode(
             if transforming:
                 _refuse(leaf, (args, kwargs, i))
             if leaf.requires_grad and not attached:
-                parameter, hooked = isinstance(leaf, nn.Parameter), bool(leaf._backward_hooks)
+                parameter = isinstance(leaf, nn.Parameter)
                 sent = _sent_tensor(leaf, dtype, memo, attached)
+                hooked = _hook_flags(leaf)
                 grad_leaf = _GradLeaf(sent, parameter, hooked, _origin(leaf), _grad_of(leaf))
                 leaves[i] = refs[id(leaf)] = grad_leaf
                 sources.setdefault(id(leaf), leaf)
@@ -498,10 +515,40 @@ def _hooks_skipped(what: str, _: torch.Tensor) -> None:
     )
 
 
+def _accumulation_skipped(what: str, _: torch.Tensor) -> None:
+    """Stands in on a worker, while the function runs, for the post-accumulate-grad hooks of
+    the caller's tensor: a backward pass inside accumulates into it, after which they would run
+    (an optimizer step in backward, changing the tensor in the middle of the function). Only an
+    accumulation: ``torch.autograd.grad`` runs no such hook in one process either."""
+    raise RuntimeError(
+        f"a backward pass inside this remote partition accumulates a gradient into {what}, "
+        f"whose tensor on the caller has post-accumulate-grad hooks "
+        f"(register_post_accumulate_grad_hook, an optimizer step in backward say): in one "
+        f"process they would run after this accumulation, and they cannot run here. Run the "
+        f"partition on the caller (partitioner=0), or do the hook's work inside the function "
+        f"after its backward"
+    )
+
+
+def _guard(t: torch.Tensor, flags: int, what: str, guards: list[Any]) -> None:
+    """Stand-ins on the worker's leaf ``t`` for the hooks the caller's tensor has (``flags``,
+    see :func:`_hook_flags`); their handles join ``guards``."""
+    if flags & _TENSOR_HOOKS:
+        guards.append(t.register_hook(functools.partial(_hooks_skipped, what)))
+    if flags & _ACCUMULATE_HOOKS:
+        stand_in = functools.partial(_accumulation_skipped, what)
+        guards.append(t.register_post_accumulate_grad_hook(stand_in))
+
+
 def _decode_module(
-    ref: _ModuleRef, leaves: list[torch.Tensor] | None, guards: list[Any], made: dict[int, Any]
+    ref: _ModuleRef,
+    position: int,
+    leaves: list[torch.Tensor] | None,
+    guards: list[Any],
+    made: dict[int, Any],
 ) -> nn.Module:
     params = []
+    hooked: list[tuple[nn.Parameter, int]] = []  # parameters to guard once they have names
     for i, sent in enumerate(ref.params):
         p = made.get(id(sent))
         if p is None:
@@ -512,15 +559,21 @@ def _decode_module(
                 p = nn.Parameter(p, requires_grad=bool(ref.requires_grad >> i & 1))
                 if ref.grads and ref.grads[i] is not None:
                     p.grad = unwire(ref.grads[i])
-                if ref.hooked >> i & 1 and p.requires_grad:
-                    what = f"parameter {i} of a module argument"
-                    guards.append(p.register_hook(functools.partial(_hooks_skipped, what)))
+                flags = ref.hooked >> 2 * i & 3
                 if p.requires_grad:
                     leaves.append(p)
+                    if flags:
+                        hooked.append((p, flags))
             made[id(sent)] = p
         params.append(p)
     rebuilder = structure.rebuilder(ref.fingerprint, ref.structure)
-    return rebuilder.build(params, [unwire(b) for b in ref.buffers], ref.training)
+    module = rebuilder.build(params, [unwire(b) for b in ref.buffers], ref.training)
+    if hooked:
+        names = {id(p): name for name, p in module.named_parameters()}
+        for p, flags in hooked:
+            what = f"parameter {names[id(p)]!r} of module argument {position} (flattened)"
+            _guard(p, flags, what, guards)
+    return module
 
 
 def _decode_tensor(leaf: Any, i: int, leaves: list[torch.Tensor] | None, guards: list[Any]) -> Any:
@@ -532,9 +585,7 @@ def _decode_tensor(leaf: Any, i: int, leaves: list[torch.Tensor] | None, guards:
             t = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
         if leaf.grad is not None:
             t.grad = unwire(leaf.grad)
-        if leaf.hooked:
-            what = f"argument {i} (flattened)"
-            guards.append(t.register_hook(functools.partial(_hooks_skipped, what)))
+        _guard(t, leaf.hooked, f"argument {i} (flattened)", guards)
         if leaves is not None:
             leaves.append(t)
         if leaf.origin != _LEAF:
@@ -556,7 +607,7 @@ def decode(
     With ``leaves`` (the call travelled detached), module parameters become ``nn.Parameter``
     leaves; returns ``(args, kwargs, leaves, guards)`` with the leaves that require grad in the
     order of :func:`encode`'s ``sources``, and the handles of the stand-ins for the caller's
-    tensor hooks (see :func:`_hooks_skipped`), to remove once the function returned. Raises
+    tensor hooks (see :func:`_guard`), to remove once the function returned. Raises
     ``RuntimeError`` for a structure neither sent nor cached.
     """
     flat, rebuild = flatten_arguments(args, kwargs)
@@ -571,7 +622,7 @@ def decode(
         if done is not None:
             flat[i] = done
         elif isinstance(leaf, _ModuleRef):
-            flat[i] = made[key] = _decode_module(leaf, grad_leaves, guards, made)
+            flat[i] = made[key] = _decode_module(leaf, i, grad_leaves, guards, made)
         elif isinstance(leaf, (torch.Tensor, _Wire)):
             flat[i] = made[key] = _decode_tensor(leaf, i, grad_leaves, guards)
     new_args, new_kwargs = rebuild(flat)
