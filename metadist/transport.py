@@ -3,7 +3,8 @@
 metadist never pickles a module as is. For each ``nn.Module`` argument it sends its structure
 once per worker (:mod:`metadist.structure`) and, on every call, the parameter tensors, the
 buffers and the ``training`` flag of every submodule; the worker rebuilds a fresh module object
-per call. Tensors travel detached: :func:`decode` makes the parameters ``nn.Parameter`` leaves
+per call (a module argument that is a submodule of another arrives as that one's submodule).
+Tensors travel detached: :func:`decode` makes the parameters ``nn.Parameter`` leaves
 and the tensors that required grad leaf tensors again, listing them in the order of
 :func:`encode`'s ``sources``, and the worker differentiates with respect to them
 (:mod:`metadist.worker`). Only a call that travels *attached* to a distributed autograd context
@@ -166,6 +167,16 @@ class _ModuleRef(_Wire):
     requires_grad: int
     hooked: int  # each parameter's _hook_flags on the caller, two bits each: see _guard
     grads: tuple[Any, ...]  # each parameter's .grad (wired, or None); () when none has one
+
+
+@dataclasses.dataclass(slots=True)
+class _SubmoduleRef(_Wire):
+    """A module argument that is a submodule of another module argument of the partition: it
+    arrives as that very submodule of the rebuilt module (``m[1] is bn`` holds, and a change of
+    its state is seen by ``m``'s forward), as in one process. Its tensors travel with ``m``."""
+
+    root: int  # where the enclosing module argument sits among the flattened arguments
+    index: int  # the submodule's index in that module's modules()
 
 
 def wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> Any:
@@ -437,7 +448,9 @@ def encode(
     # Each source once, in the order decode makes its leaf: an object in two places of the
     # arguments (f(x, x), a model and its own parameters) is one object on the worker too.
     sources: dict[int, torch.Tensor] = {}
-    refs: dict[int, Any] = {}  # this message's encoding of each module and tensor
+    # This message's encoding of each module and tensor; first, of the module arguments that
+    # travel inside another (their tensors are that one's, sources with it).
+    refs: dict[int, Any] = _submodule_refs(leaves, args, kwargs)
     for i, leaf in enumerate(leaves):
         ref = refs.get(id(leaf))
         if ref is not None:
@@ -472,6 +485,34 @@ def encode(
             refuse_hidden_grad(leaf, f"argument {_name((args, kwargs, i))}")
     new_args, new_kwargs = rebuild(leaves)
     return new_args, new_kwargs, True, tuple(new_structures), list(sources.values())
+
+
+def _submodule_refs(
+    leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[int, Any]:
+    """A :class:`_SubmoduleRef` for each module argument (by id) that is a submodule of another
+    module argument, pointing into an outermost one (one inside no other). Runs only with two
+    module arguments or more; modules inside each other both ways (a cycle) travel apart."""
+    first: dict[int, int] = {}  # each module argument's first position among the leaves
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, nn.Module):
+            first.setdefault(id(leaf), i)
+    if len(first) < 2:
+        return {}
+    # {module argument: {position of a module argument holding it: its index there}}
+    holders: dict[int, dict[int, int]] = {}
+    for i in first.values():
+        _, modules = structure.plan_for(leaves[i], functools.partial(_name, (args, kwargs, i)))
+        for k in range(1, len(modules)):
+            if id(modules[k]) in first:
+                holders.setdefault(id(modules[k]), {})[i] = k
+    refs: dict[int, Any] = {}
+    for key, held_by in holders.items():
+        for i, k in held_by.items():
+            if id(leaves[i]) not in holders:
+                refs[key] = _SubmoduleRef(i, k)
+                break
+    return refs
 
 
 def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -616,15 +657,22 @@ def decode(
     # Decoded once per object sent: what was one object on the caller is one here (the message
     # holds one object for it, see encode), a module parameter passed beside its module too.
     made: dict[int, Any] = {}
+    nested: list[int] = []  # where a _SubmoduleRef sits: resolved once its module is rebuilt
     for i, leaf in enumerate(flat):
         key = id(leaf.tensor) if isinstance(leaf, (_GradLeaf, _Parameter)) else id(leaf)
         done = made.get(key)
         if done is not None:
             flat[i] = done
+        elif isinstance(leaf, _SubmoduleRef):
+            nested.append(i)
         elif isinstance(leaf, _ModuleRef):
             flat[i] = made[key] = _decode_module(leaf, i, grad_leaves, guards, made)
         elif isinstance(leaf, (torch.Tensor, _Wire)):
             flat[i] = made[key] = _decode_tensor(leaf, i, grad_leaves, guards)
+    for i in nested:
+        # The rebuilt module's modules() come in the caller's order (the plan's), shared
+        # submodules once, as the rebuilder makes them from that list.
+        flat[i] = list(flat[flat[i].root].modules())[flat[i].index]
     new_args, new_kwargs = rebuild(flat)
     return new_args, new_kwargs, grad_leaves or [], guards
 
