@@ -3,7 +3,8 @@
 metadist never pickles a module as is. For each ``nn.Module`` argument it sends its structure
 once per worker (:mod:`metadist.structure`) and, on every call, the parameter tensors, the
 buffers and the ``training`` flag of every submodule; the worker rebuilds a fresh module object
-per call. Tensors travel detached: :func:`decode` makes the parameters ``nn.Parameter`` leaves
+per call (a module argument that is a submodule of another arrives as that one's submodule).
+Tensors travel detached: :func:`decode` makes the parameters ``nn.Parameter`` leaves
 and the tensors that required grad leaf tensors again, listing them in the order of
 :func:`encode`'s ``sources``, and the worker differentiates with respect to them
 (:mod:`metadist.worker`). Only a call that travels *attached* to a distributed autograd context
@@ -120,12 +121,24 @@ class _GradLeaf(_Wire):
 
     tensor: Any
     parameter: bool
-    hooked: bool  # see _hooks_skipped
+    hooked: int  # the caller's tensor's _hook_flags: see _guard
     origin: int  # _LEAF, _LEAF_VIEW or _COMPUTED
     grad: Any  # the caller's leaf's .grad (wired), or None
 
 
 _LEAF, _LEAF_VIEW, _COMPUTED = 0, 1, 2
+
+
+# Hooks of a caller's tensor that a worker's copy cannot run (bits; see _guard): tensor hooks
+# (register_hook), and post-accumulate-grad hooks (register_post_accumulate_grad_hook).
+_TENSOR_HOOKS, _ACCUMULATE_HOOKS = 1, 2
+
+
+def _hook_flags(t: torch.Tensor) -> int:
+    flags = _TENSOR_HOOKS if t._backward_hooks else 0
+    if t._post_accumulate_grad_hooks:
+        flags |= _ACCUMULATE_HOOKS
+    return flags
 
 
 def _origin(t: torch.Tensor) -> int:
@@ -152,8 +165,18 @@ class _ModuleRef(_Wire):
     buffers: tuple[Any, ...]
     training: int
     requires_grad: int
-    hooked: int  # parameters with tensor hooks on the caller (bits): see _hooks_skipped
+    hooked: int  # each parameter's _hook_flags on the caller, two bits each: see _guard
     grads: tuple[Any, ...]  # each parameter's .grad (wired, or None); () when none has one
+
+
+@dataclasses.dataclass(slots=True)
+class _SubmoduleRef(_Wire):
+    """A module argument that is a submodule of another module argument of the partition: it
+    arrives as that very submodule of the rebuilt module (``m[1] is bn`` holds, and a change of
+    its state is seen by ``m``'s forward), as in one process. Its tensors travel with ``m``."""
+
+    root: int  # where the enclosing module argument sits among the flattened arguments
+    index: int  # the submodule's index in that module's modules()
 
 
 def wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> Any:
@@ -260,7 +283,11 @@ def _encode_module(
         for _, name, p in plan.param_reads:
             _refuse(p, where, f"parameter {name!r} of module argument")
     requires_grad = sum(1 << i for i, (_, _, p) in enumerate(plan.param_reads) if p.requires_grad)
-    hooked = sum(1 << i for i, (_, _, p) in enumerate(plan.param_reads) if p._backward_hooks)
+    hooked = sum(
+        _hook_flags(p) << 2 * i
+        for i, (_, _, p) in enumerate(plan.param_reads)
+        if p._backward_hooks or p._post_accumulate_grad_hooks  # rare: no call for the others
+    )
     params = [_sent_tensor(p, dtype, memo, attached) for _, _, p in plan.param_reads]
     buffers = tuple(
         None if (b := modules[k]._buffers.get(name)) is None else wire(b.detach(), dtype)
@@ -421,7 +448,9 @@ def encode(
     # Each source once, in the order decode makes its leaf: an object in two places of the
     # arguments (f(x, x), a model and its own parameters) is one object on the worker too.
     sources: dict[int, torch.Tensor] = {}
-    refs: dict[int, Any] = {}  # this message's encoding of each module and tensor
+    # This message's encoding of each module and tensor; first, of the module arguments that
+    # travel inside another (their tensors are that one's, sources with it).
+    refs: dict[int, Any] = _submodule_refs(leaves, args, kwargs)
     for i, leaf in enumerate(leaves):
         ref = refs.get(id(leaf))
         if ref is not None:
@@ -441,8 +470,9 @@ def encode(
             if transforming:
                 _refuse(leaf, (args, kwargs, i))
             if leaf.requires_grad and not attached:
-                parameter, hooked = isinstance(leaf, nn.Parameter), bool(leaf._backward_hooks)
+                parameter = isinstance(leaf, nn.Parameter)
                 sent = _sent_tensor(leaf, dtype, memo, attached)
+                hooked = _hook_flags(leaf)
                 grad_leaf = _GradLeaf(sent, parameter, hooked, _origin(leaf), _grad_of(leaf))
                 leaves[i] = refs[id(leaf)] = grad_leaf
                 sources.setdefault(id(leaf), leaf)
@@ -455,6 +485,34 @@ def encode(
             refuse_hidden_grad(leaf, f"argument {_name((args, kwargs, i))}")
     new_args, new_kwargs = rebuild(leaves)
     return new_args, new_kwargs, True, tuple(new_structures), list(sources.values())
+
+
+def _submodule_refs(
+    leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[int, Any]:
+    """A :class:`_SubmoduleRef` for each module argument (by id) that is a submodule of another
+    module argument, pointing into an outermost one (one inside no other). Runs only with two
+    module arguments or more; modules inside each other both ways (a cycle) travel apart."""
+    first: dict[int, int] = {}  # each module argument's first position among the leaves
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, nn.Module):
+            first.setdefault(id(leaf), i)
+    if len(first) < 2:
+        return {}
+    # {module argument: {position of a module argument holding it: its index there}}
+    holders: dict[int, dict[int, int]] = {}
+    for i in first.values():
+        _, modules = structure.plan_for(leaves[i], functools.partial(_name, (args, kwargs, i)))
+        for k in range(1, len(modules)):
+            if id(modules[k]) in first:
+                holders.setdefault(id(modules[k]), {})[i] = k
+    refs: dict[int, Any] = {}
+    for key, held_by in holders.items():
+        for i, k in held_by.items():
+            if id(leaves[i]) not in holders:
+                refs[key] = _SubmoduleRef(i, k)
+                break
+    return refs
 
 
 def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -498,10 +556,40 @@ def _hooks_skipped(what: str, _: torch.Tensor) -> None:
     )
 
 
+def _accumulation_skipped(what: str, _: torch.Tensor) -> None:
+    """Stands in on a worker, while the function runs, for the post-accumulate-grad hooks of
+    the caller's tensor: a backward pass inside accumulates into it, after which they would run
+    (an optimizer step in backward, changing the tensor in the middle of the function). Only an
+    accumulation: ``torch.autograd.grad`` runs no such hook in one process either."""
+    raise RuntimeError(
+        f"a backward pass inside this remote partition accumulates a gradient into {what}, "
+        f"whose tensor on the caller has post-accumulate-grad hooks "
+        f"(register_post_accumulate_grad_hook, an optimizer step in backward say): in one "
+        f"process they would run after this accumulation, and they cannot run here. Run the "
+        f"partition on the caller (partitioner=0), or do the hook's work inside the function "
+        f"after its backward"
+    )
+
+
+def _guard(t: torch.Tensor, flags: int, what: str, guards: list[Any]) -> None:
+    """Stand-ins on the worker's leaf ``t`` for the hooks the caller's tensor has (``flags``,
+    see :func:`_hook_flags`); their handles join ``guards``."""
+    if flags & _TENSOR_HOOKS:
+        guards.append(t.register_hook(functools.partial(_hooks_skipped, what)))
+    if flags & _ACCUMULATE_HOOKS:
+        stand_in = functools.partial(_accumulation_skipped, what)
+        guards.append(t.register_post_accumulate_grad_hook(stand_in))
+
+
 def _decode_module(
-    ref: _ModuleRef, leaves: list[torch.Tensor] | None, guards: list[Any], made: dict[int, Any]
+    ref: _ModuleRef,
+    position: int,
+    leaves: list[torch.Tensor] | None,
+    guards: list[Any],
+    made: dict[int, Any],
 ) -> nn.Module:
     params = []
+    hooked: list[tuple[nn.Parameter, int]] = []  # parameters to guard once they have names
     for i, sent in enumerate(ref.params):
         p = made.get(id(sent))
         if p is None:
@@ -512,15 +600,21 @@ def _decode_module(
                 p = nn.Parameter(p, requires_grad=bool(ref.requires_grad >> i & 1))
                 if ref.grads and ref.grads[i] is not None:
                     p.grad = unwire(ref.grads[i])
-                if ref.hooked >> i & 1 and p.requires_grad:
-                    what = f"parameter {i} of a module argument"
-                    guards.append(p.register_hook(functools.partial(_hooks_skipped, what)))
+                flags = ref.hooked >> 2 * i & 3
                 if p.requires_grad:
                     leaves.append(p)
+                    if flags:
+                        hooked.append((p, flags))
             made[id(sent)] = p
         params.append(p)
     rebuilder = structure.rebuilder(ref.fingerprint, ref.structure)
-    return rebuilder.build(params, [unwire(b) for b in ref.buffers], ref.training)
+    module = rebuilder.build(params, [unwire(b) for b in ref.buffers], ref.training)
+    if hooked:
+        names = {id(p): name for name, p in module.named_parameters()}
+        for p, flags in hooked:
+            what = f"parameter {names[id(p)]!r} of module argument {position} (flattened)"
+            _guard(p, flags, what, guards)
+    return module
 
 
 def _decode_tensor(leaf: Any, i: int, leaves: list[torch.Tensor] | None, guards: list[Any]) -> Any:
@@ -532,9 +626,7 @@ def _decode_tensor(leaf: Any, i: int, leaves: list[torch.Tensor] | None, guards:
             t = t.requires_grad_(True) if t.is_leaf else t.detach().requires_grad_(True)
         if leaf.grad is not None:
             t.grad = unwire(leaf.grad)
-        if leaf.hooked:
-            what = f"argument {i} (flattened)"
-            guards.append(t.register_hook(functools.partial(_hooks_skipped, what)))
+        _guard(t, leaf.hooked, f"argument {i} (flattened)", guards)
         if leaves is not None:
             leaves.append(t)
         if leaf.origin != _LEAF:
@@ -556,7 +648,7 @@ def decode(
     With ``leaves`` (the call travelled detached), module parameters become ``nn.Parameter``
     leaves; returns ``(args, kwargs, leaves, guards)`` with the leaves that require grad in the
     order of :func:`encode`'s ``sources``, and the handles of the stand-ins for the caller's
-    tensor hooks (see :func:`_hooks_skipped`), to remove once the function returned. Raises
+    tensor hooks (see :func:`_guard`), to remove once the function returned. Raises
     ``RuntimeError`` for a structure neither sent nor cached.
     """
     flat, rebuild = flatten_arguments(args, kwargs)
@@ -565,15 +657,22 @@ def decode(
     # Decoded once per object sent: what was one object on the caller is one here (the message
     # holds one object for it, see encode), a module parameter passed beside its module too.
     made: dict[int, Any] = {}
+    nested: list[int] = []  # where a _SubmoduleRef sits: resolved once its module is rebuilt
     for i, leaf in enumerate(flat):
         key = id(leaf.tensor) if isinstance(leaf, (_GradLeaf, _Parameter)) else id(leaf)
         done = made.get(key)
         if done is not None:
             flat[i] = done
+        elif isinstance(leaf, _SubmoduleRef):
+            nested.append(i)
         elif isinstance(leaf, _ModuleRef):
-            flat[i] = made[key] = _decode_module(leaf, grad_leaves, guards, made)
+            flat[i] = made[key] = _decode_module(leaf, i, grad_leaves, guards, made)
         elif isinstance(leaf, (torch.Tensor, _Wire)):
             flat[i] = made[key] = _decode_tensor(leaf, i, grad_leaves, guards)
+    for i in nested:
+        # The rebuilt module's modules() come in the caller's order (the plan's), shared
+        # submodules once, as the rebuilder makes them from that list.
+        flat[i] = list(flat[flat[i].root].modules())[flat[i].index]
     new_args, new_kwargs = rebuild(flat)
     return new_args, new_kwargs, grad_leaves or [], guards
 

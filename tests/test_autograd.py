@@ -34,6 +34,7 @@ from torch import nn
 
 import metadist as md
 from metadist import autograd as mag
+from metadist import transport
 from metadist import worker as remote_worker
 from metadist.api import parallelize, remote_sync_call
 from metadist.partition import dim_partitioner
@@ -1617,6 +1618,198 @@ def complex_and_meta_results_are_exact(world_size: int) -> None:
             assert m.weight.grad.shape == m.weight.shape, (form, partitioner)
 
 
+# -- transport edges (post-accumulate hooks, submodule identity)
+
+
+HOOK_RUNS: list[str] = []
+
+
+def _sgd_in_backward(name: str, p: torch.Tensor) -> None:
+    """An optimizer step in backward: it changes the parameter as soon as its .grad is written."""
+    HOOK_RUNS.append(name)
+    with torch.no_grad():
+        p.add_(p.grad, alpha=-0.1)  # type: ignore[arg-type]
+    p.grad = None
+
+
+def _hook_steps(*tensors: tuple[str, torch.Tensor]) -> None:
+    for name, t in tensors:
+        t.register_post_accumulate_grad_hook(functools.partial(_sgd_in_backward, name))
+
+
+def inner_grad_step(m: nn.Module, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """An inner step by ``torch.autograd.grad`` through the module's parameters and ``w``: it
+    accumulates nothing, so no post-accumulate-grad hook runs, in one process either."""
+    params = [*m.parameters(), w]
+    inner = (m(x) * w).pow(2).mean()
+    grads = torch.autograd.grad(inner, params, create_graph=True)
+    fast = [p - 0.1 * g for p, g in zip(params, grads, strict=True)]
+    return (F.linear(x, fast[0], fast[1]) * fast[2]).pow(2).mean()
+
+
+def _call_in_form(
+    form: str, func: Callable[..., Any], args: tuple[Any, ...], partitioner: Any
+) -> list[Any]:
+    """Call plainly, or inside a context (for a function whose result is not differentiated)."""
+    with mag.context() if form == "context" else contextlib.nullcontext():
+        return md.remote_sync_call(func, args=args, partitioner=partitioner)
+
+
+def post_accumulate_grad_hooks_are_exact_or_refused(world_size: int) -> None:
+    torch.manual_seed(8)
+    x = torch.randn(6, 3)
+    for form in ("plain", "context"):
+        for partitioner in (1, 2, 0):
+            how = f"{form}, partitioner {partitioner}"
+            m = nn.Linear(3, 3)
+            local = copy.deepcopy(m)
+            w = torch.randn(3, requires_grad=True)
+            wl = w.detach().clone().requires_grad_(True)
+            _hook_steps(("weight", m.weight), ("w", w))
+            _hook_steps(("weight", local.weight), ("w", wl))
+            # The caller's own passes: the hooks run there, once per accumulation, as locally,
+            # and an inner loop's torch.autograd.grad inside the partition runs none.
+            for step in range(3):
+                HOOK_RUNS.clear()
+                _in_form(
+                    form, functools.partial(_call_loss, inner_grad_step, (m, w, x), partitioner)
+                )
+                remote_runs = sorted(HOOK_RUNS)
+                HOOK_RUNS.clear()
+                inner_grad_step(local, wl, x).backward()
+                assert remote_runs == sorted(HOOK_RUNS) == ["w", "weight"], (how, step, remote_runs)
+                for a, b in ((m.weight, local.weight), (m.bias.grad, local.bias.grad), (w, wl)):
+                    assert_close(a.detach(), b.detach(), f"{how}, step {step}")  # type: ignore[union-attr]
+            # A backward inside the partition accumulates into them: in one process the hooks
+            # would run there (and step the parameter mid-function). Refused on a worker, naming
+            # the tensor; exact on the caller.
+            HOOK_RUNS.clear()
+            if partitioner == 0:
+                _in_form(form, functools.partial(_call_loss, grad_inside, (m, x), partitioner))
+                remote_runs = list(HOOK_RUNS)
+                HOOK_RUNS.clear()
+                grad_inside(local, x).backward()
+                assert remote_runs == HOOK_RUNS == ["weight", "weight"], (how, remote_runs)
+                assert_close(m.weight.detach(), local.weight.detach(), f"{how}, inside")
+                _call_in_form(form, writes_grad, (w,), partitioner)
+                writes_grad(wl)
+                assert_close(w.detach(), wl.detach(), f"{how}, inside, w")
+                continue
+            before = m.weight.detach().clone()
+            with pytest.raises(RuntimeError, match=r"parameter 'weight' of module argument 0"):
+                _in_form(form, functools.partial(_call_loss, grad_inside, (m, x), partitioner))
+            with pytest.raises(RuntimeError, match=r"into argument 0 \(flattened\), whose tensor "):
+                _call_in_form(form, writes_grad, (w,), partitioner)
+            assert not HOOK_RUNS, (how, HOOK_RUNS)
+            assert torch.equal(m.weight.detach(), before), how
+            # Only where they are: the bias has none, and the guards go with the call.
+            m.weight.requires_grad_(False)
+            _in_form(form, functools.partial(_call_loss, grad_inside, (m, x), partitioner))
+            m.weight.requires_grad_(True)
+            assert not HOOK_RUNS, (how, HOOK_RUNS)
+
+
+class _Shared(nn.Module):
+    """A module with a submodule in two places (``lin``, also ``block[0]``) and norm layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.block = nn.Sequential(self.lin, nn.BatchNorm1d(3), nn.Tanh())
+        self.head = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lin(self.block(x)))
+
+
+def eval_norms_then_run(m: nn.Module, subs: Any, x: torch.Tensor) -> torch.Tensor:
+    """Switch the norm layers in ``subs`` (modules in containers) to eval mode, then run ``m``,
+    whose forward sees the change where they are its own; plus how many of ``subs`` are."""
+    modules = [s for s in torch.utils._pytree.tree_leaves(subs) if isinstance(s, nn.Module)]
+    for s in modules:
+        for k in s.modules():
+            if isinstance(k, nn.BatchNorm1d):
+                k.eval()
+    mine = sum(any(s is k for k in m.modules()) for s in modules)
+    return m(x).pow(2).sum() + mine
+
+
+def subs_first(subs: Any, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return eval_norms_then_run(m, subs, x)
+
+
+def with_rref(m: nn.Module, subs: Any, x: torch.Tensor, rref: Any) -> torch.Tensor:
+    return eval_norms_then_run(m, subs, x) + rref.to_here()
+
+
+def _call_into(
+    results: list[torch.Tensor],
+    func: Callable[..., torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    partitioner: Any,
+) -> torch.Tensor:
+    """The call's result, kept in ``results`` too (to compare after ``_in_form``'s pass)."""
+    (out,) = md.remote_sync_call(func, args=args, kwargs=kwargs, partitioner=partitioner)
+    results.append(out)
+    return out
+
+
+def submodules_beside_their_module_are_its_own(world_size: int) -> None:
+    torch.manual_seed(9)
+    x = torch.randn(6, 3)
+    # (function, args, kwargs) for a model: a submodule after it, submodules (one inside
+    # another, one shared) before it in containers, and in kwargs.
+    cases: list[Callable[[nn.Module], tuple[Any, tuple[Any, ...], dict[str, Any]]]] = [
+        lambda m: (eval_norms_then_run, (m, m.block[1], x), {}),
+        lambda m: (subs_first, ({"norm": m.head[1], "blocks": [m.block, m.lin]}, m, x), {}),
+        lambda m: (eval_norms_then_run, (m,), {"subs": (m.head, m.block[1]), "x": x}),
+    ]
+    for form in ("plain", "context"):
+        for partitioner in (1, 2, 0):
+            for k, case in enumerate(cases):
+                how = f"{form}, partitioner {partitioner}, case {k}"
+                m = _Shared()
+                local = copy.deepcopy(m)
+                func, args, kwargs = case(m)
+                results: list[torch.Tensor] = []
+                _in_form(
+                    form, functools.partial(_call_into, results, func, args, kwargs, partitioner)
+                )
+                func, args, kwargs = case(local)
+                expected = func(*args, **kwargs)
+                expected.backward()
+                assert_close(results[0].detach(), expected.detach(), f"{how}: value")
+                for a, b in zip(grads_of(m), grads_of(local), strict=True):
+                    assert_close(a, b, f"{how}: gradient")
+    # Attached to a context by an RRef argument: the same submodule objects on the worker.
+    rref = rpc.RRef(torch.tensor(0.5))
+    for partitioner in (1, 0):
+        m = _Shared()
+        local = copy.deepcopy(m)
+        with mag.context() as ctx:
+            (out,) = md.remote_sync_call(
+                with_rref, args=(m, [m.block[1], m.lin], x, rref), partitioner=partitioner
+            )
+            mag.backward(ctx, [out])
+        expected = with_rref(local, [local.block[1], local.lin], x, rref)
+        expected.backward()
+        assert_close(out.detach(), expected.detach(), f"attached, partitioner {partitioner}")
+        for a, b in zip(grads_of(m), grads_of(local), strict=True):
+            assert_close(a, b, f"attached, partitioner {partitioner}: gradient")
+    # The submodule's tensors travel once, with its module, and its parameters are sources once.
+    m = _Shared()
+    encoded = [
+        transport.encode(
+            args, {}, world=object(), worker="w", dtype=None, memo=transport.CallMemo()
+        )
+        for args in ((m, x), ({"a": [m.block[1], m.lin]}, m, x))
+    ]
+    sizes = [transport.wire_bytes([e[0], e[1]]) for e in encoded]
+    assert sizes[0] == sizes[1], sizes
+    assert [len(e[4]) for e in encoded] == [len(list(m.parameters()))] * 2
+
+
 EDGES: list[Callable[[int], Any]] = [
     torch_func_transforms_are_refused,
     forward_mode_dual_tensors_are_refused,
@@ -1631,6 +1824,8 @@ EDGES: list[Callable[[int], Any]] = [
     user_code_runs_as_often_and_when_as_locally,
     arguments_changed_in_place_raise_as_locally,
     complex_and_meta_results_are_exact,
+    post_accumulate_grad_hooks_are_exact_or_refused,
+    submodules_beside_their_module_are_its_own,
 ]
 
 
