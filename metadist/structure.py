@@ -43,6 +43,14 @@ _Slots = tuple[tuple[str, int], ...]
 # Per module: parameter slots, buffer slots, child slots (index into the module list or -1).
 _Spec = tuple[_Slots, _Slots, _Slots]
 
+# Where a plain attribute refers to what the tree registers: (_MODULE, _PARAMETER or _BUFFER,
+# index into the module, parameter or buffer list), or, for a list, tuple or dict, the recipes of
+# the positions (indices or keys) that hold such references.
+_Recipe = tuple[int, int] | dict[Any, Any]
+_MODULE = 0
+_PARAMETER = 1
+_BUFFER = 2
+
 # Per module, every slot that decides the plan's shape, in order: parameter names and the object
 # in each slot (identity also decides which slots share a tensor), buffer names and which are
 # None (buffers are read by name per call, so replacing one needs no new plan), child names and
@@ -66,6 +74,7 @@ class SendPlan:
         "checks",
         "fingerprint",
         "param_reads",
+        "pinned_buffers",
         "structure",
         "submodules",
     )
@@ -128,35 +137,39 @@ class SendPlan:
                     tuple(m._modules.values()),
                 )
             )
+        # Everything the tree registers, by identity; a parameter also registered as a buffer
+        # is the parameter (the worker's nn.Parameter leaf).
+        known: dict[int, tuple[int, int]] = {id(b): (_BUFFER, j) for j, b in enumerate(buffers)}
+        known.update({id(p): (_PARAMETER, j) for j, p in enumerate(params)})
+        known.update({id(m): (_MODULE, k) for k, m in enumerate(modules)})
         # The skeleton: a deep copy with every parameter and buffer replaced by None (the memo
         # makes deepcopy return None for them instead of copying their data).
         memo: dict[int, Any] = {id(t): None for t in (*params, *buffers)}
-        for m in modules:
+        scan = _Scan(known, memo)
+        aliases: list[tuple[int, str, _Recipe]] = []
+        for k, m in enumerate(modules):
             for attr, value in vars(m).items():
                 if attr in _REGISTERED:
                     continue
-                for t in _tensors_in(value):
-                    if id(t) in memo:  # a parameter or buffer (an RNN's _flat_weights list)
-                        continue
-                    if t.grad_fn is not None:
-                        # Computed from the parameters (weight_norm's ``weight``): not a leaf,
-                        # cannot be deep-copied; its value is recomputed before each forward,
-                        # so the skeleton keeps a detached copy.
-                        memo[id(t)] = t.detach()
-                    elif t.requires_grad:
-                        raise TypeError(
-                            f"module argument {describe()} ({type(module).__qualname__}): "
-                            f"attribute {attr!r} of its {type(m).__qualname__} holds a tensor "
-                            f"that requires grad but is neither a parameter nor a buffer: a "
-                            f"worker's copy would keep its value of the first call and lose its "
-                            f"gradient. Make it an nn.Parameter (nn.ParameterList for a list), "
-                            f"or pass it as an argument"
-                        )
+                try:
+                    recipe = scan.walk(value)
+                except _RefusedError as refused:
+                    raise TypeError(
+                        f"module argument {describe()} ({type(module).__qualname__}): "
+                        f"attribute {attr!r} of its {type(m).__qualname__} holds {refused}"
+                    ) from None
+                # An RNN's list of its own weights is refreshed by _init_flat_weights (which
+                # also remakes its weak references and flattens the weights on CUDA).
+                if recipe is not None and not (
+                    isinstance(m, nn.RNNBase) and attr == "_flat_weights"
+                ):
+                    aliases.append((k, attr, recipe))
         try:
             skeleton = copy.deepcopy(module, memo)
             for m in skeleton.modules():  # sent per call: keep it out of the fingerprint
                 m.training = True
-            structure = pickle.dumps((skeleton, tuple(specs)), protocol=pickle.HIGHEST_PROTOCOL)
+            shape = (skeleton, tuple(specs), tuple(aliases))
+            structure = pickle.dumps(shape, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as error:
             raise TypeError(
                 f"module argument {describe()} ({type(module).__qualname__}) cannot be "
@@ -168,6 +181,11 @@ class SendPlan:
         self.submodules = tuple(modules[1:])
         self.checks = tuple(checks)
         self.buffer_ties = tuple(buffer_ties)
+        # Buffers a plain attribute refers to: the worker re-points it to the buffer read by name
+        # per call, so a buffer replaced since (the attribute keeps the old one) needs a new plan.
+        self.pinned_buffers = tuple(
+            (*buffer_reads[j], buffers[j]) for j in sorted(scan.aliased_buffers)
+        )
         self.param_reads = tuple(param_reads)
         self.buffer_reads = tuple(buffer_reads)
         self.structure = structure
@@ -194,6 +212,9 @@ class SendPlan:
         return all(
             modules[k]._buffers.get(name) is modules[k0]._buffers.get(name0)
             for k, name, k0, name0 in self.buffer_ties
+        ) and (
+            not self.pinned_buffers
+            or all(modules[k]._buffers.get(name) is b for k, name, b in self.pinned_buffers)
         )
 
 
@@ -201,15 +222,118 @@ class SendPlan:
 _REGISTERED = frozenset({"_parameters", "_buffers", "_modules"})
 
 
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in a module attribute: itself, or inside lists, tuples and dicts."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    return []
+class _RefusedError(Exception):
+    """What a plain module attribute holds that a worker's copy could not reproduce."""
+
+
+_UNREGISTERED = (
+    "a {} that is not registered as a submodule and holds a parameter that requires grad or "
+    "refers to the registered modules or tensors: a worker's copy would keep its values of the "
+    "first call and lose its gradients. Register it (assign it as an attribute; nn.ModuleList "
+    "or nn.ModuleDict for a list or dict), or pass it as an argument"
+)
+
+
+class _Scan:
+    """Walks a module's plain attributes (into lists, tuples, dicts, sets and unregistered
+    modules): records where they refer to the tree's registered modules, parameters and buffers,
+    and refuses what a worker's copy would silently get wrong."""
+
+    __slots__ = ("aliased_buffers", "done", "known", "memo")
+
+    def __init__(self, known: dict[int, tuple[int, int]], memo: dict[int, Any]) -> None:
+        self.known = known
+        self.memo = memo
+        self.aliased_buffers: set[int] = set()
+        # Containers and modules already walked (a list that holds itself, a shared one).
+        self.done: dict[int, _Recipe | None] = {}
+
+    def walk(self, value: Any) -> _Recipe | None:
+        """How to re-point ``value`` on the worker; None where it refers to nothing registered."""
+        alias = self.known.get(id(value))
+        if alias is not None:
+            if alias[0] == _BUFFER:
+                self.aliased_buffers.add(alias[1])
+            return alias
+        if isinstance(value, torch.Tensor):
+            if value.grad_fn is not None:
+                # Computed from the parameters (weight_norm's ``weight``): not a leaf, cannot
+                # be deep-copied; its value is recomputed before each forward, so the skeleton
+                # keeps a detached copy.
+                self.memo[id(value)] = value.detach()
+            elif value.requires_grad:
+                raise _RefusedError(
+                    "a tensor that requires grad but is neither a registered parameter nor a "
+                    "buffer: a worker's copy would keep its value of the first call and lose its "
+                    "gradient. Register it as an nn.Parameter (nn.ParameterList for a list), or "
+                    "pass it as an argument"
+                )
+            return None
+        if not isinstance(value, (dict, list, tuple, set, frozenset, nn.Module)):
+            return None
+        if id(value) in self.done:
+            return self.done[id(value)]
+        if isinstance(value, nn.Module):
+            self.done[id(value)] = None
+            self._unregistered(value)
+            return None
+        if isinstance(value, (set, frozenset)):
+            self.done[id(value)] = None
+            if any(self.walk(v) is not None for v in value):
+                raise _RefusedError(
+                    "a set that holds registered modules or tensors, which a worker's copy "
+                    "cannot re-point to its own: use a list or a tuple"
+                )
+            return None
+        # Registered before it is filled: a container met again (shared, or holding itself)
+        # gets the same recipe, and the worker the same copy (_repoint's ``made``).
+        recipe: dict[Any, _Recipe] = {}
+        self.done[id(value)] = recipe
+        for key, v in value.items() if isinstance(value, dict) else enumerate(value):
+            r = self.walk(v)
+            if r is not None:
+                recipe[key] = r
+        if not recipe:
+            self.done[id(value)] = None
+            return None
+        return recipe
+
+    def _unregistered(self, module: nn.Module) -> None:
+        """Refuse a module outside the tree whose copy would be stale or point into the tree."""
+        refused = _RefusedError(_UNREGISTERED.format(type(module).__qualname__))
+        for m in module.modules():
+            tensors = (*m._parameters.values(), *m._buffers.values())
+            if id(m) in self.known or any(
+                t is not None and (t.requires_grad or id(t) in self.known) for t in tensors
+            ):
+                raise refused
+            for attr, value in vars(m).items():
+                if attr not in _REGISTERED and self.walk(value) is not None:
+                    raise refused
+
+
+def _repoint(
+    value: Any, recipe: _Recipe, sources: tuple[list[Any], ...], made: dict[int, Any]
+) -> Any:
+    """The skeleton's attribute ``value`` with the references of ``recipe`` taken from
+    ``sources`` (this call's fresh modules, parameters, buffers); the skeleton's is unchanged.
+    ``made`` maps each container copied so far to its copy, so that sharing survives."""
+    if isinstance(recipe, tuple):
+        return sources[recipe[0]][recipe[1]]
+    out = made.get(id(value))
+    if out is not None:
+        return out
+    if isinstance(value, tuple):
+        items = [
+            _repoint(v, recipe[i], sources, made) if i in recipe else v for i, v in enumerate(value)
+        ]
+        out = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    else:
+        out = made[id(value)] = copy.copy(value)  # a list or dict of the same class
+        for key, r in recipe.items():
+            out[key] = _repoint(value[key], r, sources, made)
+    made[id(value)] = out
+    return out
 
 
 def _same(slots: dict[str, Any], names: tuple[str, ...], objects: tuple[Any, ...]) -> bool:
@@ -295,14 +419,20 @@ def is_confirmed(world: object, worker: str, fingerprint: str) -> bool:
 class Rebuilder:
     """What a worker needs to build a fresh module per call from a cached structure."""
 
-    __slots__ = ("bases", "classes", "specs")
+    __slots__ = ("aliases", "bases", "classes", "specs")
 
-    def __init__(self, skeleton: nn.Module, specs: tuple[_Spec, ...]) -> None:
+    def __init__(
+        self,
+        skeleton: nn.Module,
+        specs: tuple[_Spec, ...],
+        aliases: tuple[tuple[int, str, _Recipe], ...],
+    ) -> None:
         modules = list(skeleton.modules())
         skip = _REGISTERED | {"training"}
         self.classes = tuple(type(m) for m in modules)
         self.bases = tuple({k: v for k, v in m.__dict__.items() if k not in skip} for m in modules)
         self.specs = specs
+        self.aliases = aliases
 
     def build(
         self,
@@ -324,6 +454,13 @@ class Rebuilder:
                 # RNNs keep a list of their weights (``_flat_weights``) that is filled when the
                 # module is made or its parameters are set; refresh it from this call's tensors.
                 module._init_flat_weights()
+        if self.aliases:
+            # Plain attributes referring to registered modules, parameters or buffers
+            # (``self.blocks = [self.l1, self.l2]``) refer to this call's.
+            sources = (fresh, params, buffers)
+            made: dict[int, Any] = {}
+            for k, attr, recipe in self.aliases:
+                vars(fresh[k])[attr] = _repoint(self.bases[k][attr], recipe, sources, made)
         return fresh[0]
 
 
@@ -344,8 +481,7 @@ def rebuilder(fingerprint: str, structure: bytes | None) -> Rebuilder:
             f"{STRUCTURE_CACHE_SIZE} most recently used structures); call "
             f"metadist.clear_module_cache() on the caller to resend structures"
         )
-    skeleton, specs = pickle.loads(structure)
-    made = Rebuilder(skeleton, specs)
+    made = Rebuilder(*pickle.loads(structure))
     with _STRUCTURES_LOCK:
         _STRUCTURES[fingerprint] = made
         while len(_STRUCTURES) > STRUCTURE_CACHE_SIZE:

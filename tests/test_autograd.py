@@ -1810,6 +1810,166 @@ def submodules_beside_their_module_are_its_own(world_size: int) -> None:
     assert [len(e[4]) for e in encoded] == [len(list(m.parameters()))] * 2
 
 
+# -- structure edges (module attributes)
+
+
+class _HiddenAux(nn.Module):
+    """A head kept in a plain list: not registered, so locally trained, remotely a frozen copy."""
+
+    def __init__(self, frozen: bool = False) -> None:
+        super().__init__()
+        self.main = nn.Linear(3, 3)
+        self.aux = [nn.Linear(3, 1).requires_grad_(not frozen)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.aux[0](self.main(x))
+
+
+class _HiddenParameter(nn.Module):
+    """An nn.Parameter deep in a plain dict of lists: not registered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.extra = {"w": [nn.Parameter(torch.ones(1))]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.extra["w"][0]
+
+
+class _SkipSet(nn.Module):
+    """A set of registered children, tested by membership (by identity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(3, 3)
+        self.l2 = nn.Linear(3, 3)
+        self.skip = {self.l2}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in (self.l1, self.l2):
+            if m not in self.skip:
+                x = m(x)
+        return x
+
+
+def unregistered_modules_and_tensors_in_attributes_are_refused(world_size: int) -> None:
+    x = torch.randn(6, 3)
+    cases: list[tuple[Callable[[], nn.Module], str, str]] = [
+        (
+            _HiddenAux,
+            r"attribute 'aux' of its _HiddenAux holds a Linear that is not registered",
+            "nn.ModuleList",
+        ),
+        (
+            _HiddenParameter,
+            r"attribute 'extra' of its _HiddenParameter holds a tensor that requires grad",
+            "nn.ParameterList",
+        ),
+        (_SkipSet, r"attribute 'skip' of its _SkipSet holds a set", "a list or a tuple"),
+    ]
+    for form in ("plain", "context"):
+        for make, match, fix in cases:
+            for partitioner in (0, 1, 2):
+                with pytest.raises(TypeError, match=match) as info:
+                    _in_form(
+                        form, functools.partial(_call_loss, square_mean, (make(), x), partitioner)
+                    )
+                assert fix in str(info.value), (form, partitioner, str(info.value))
+    # Frozen, the same hidden head is part of the structure, as any attribute: exact.
+    split = _ByX(md.dim_partitioner(0, workers=[0, 1, 2]))
+    for form in ("plain", "context"):
+        for partitioner, chunks in ((1, 1), (split, 3)):
+            torch.manual_seed(9)
+            remote = _HiddenAux(frozen=True)
+            local = copy.deepcopy(remote)
+            losses: list[torch.Tensor] = []
+            _in_form(form, functools.partial(_kept, losses, square_mean, (remote, x), partitioner))
+            expected = sum(square_mean(local, c) for c in x.chunk(chunks))
+            expected.backward()  # type: ignore[union-attr]
+            assert_close(losses[0], expected.detach(), f"frozen hidden head value, {form}")  # type: ignore[union-attr]
+            for a, b in zip(remote.parameters(), local.parameters(), strict=True):
+                assert_close(a.grad, b.grad, f"frozen hidden head gradient, {form}")  # type: ignore[arg-type]
+
+
+def _kept(
+    losses: list[torch.Tensor], func: Callable[..., Any], args: tuple[Any, ...], partitioner: Any
+) -> torch.Tensor:
+    """``_call_loss``, keeping the loss's value."""
+    loss = _call_loss(func, args, partitioner)
+    losses.append(loss.detach())
+    return loss
+
+
+class _Aliased(nn.Module):
+    """Plain attributes referring to its registered children, parameter and buffer; a child
+    referring back to it (not registered: no cycle in ``modules()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(3, 3)
+        self.l2 = nn.Linear(3, 1)
+        self.w = nn.Parameter(torch.randn(3))
+        self.register_buffer("scale", torch.tensor(2.0))
+        self.blocks = [self.l1, self.l2]
+        self.plist = (self.w,)
+        self.cache = {"s": self.scale}
+        self.l2.__dict__["owner"] = self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.plist[0] * self.cache["s"]
+        for block in self.blocks:
+            x = block(x)
+        return x + self.l2.owner.w.sum()
+
+
+def aliases_are_the_registered_ones(m: _Aliased) -> list[bool]:
+    return [
+        m.blocks[0] is m.l1,
+        m.blocks[1] is m.l2,
+        m.plist[0] is m.w,
+        m.cache["s"] is m.scale,
+        m.l2.owner is m,
+        isinstance(m.w, nn.Parameter),
+    ]
+
+
+def attributes_aliasing_registered_ones_are_exact(world_size: int) -> None:
+    x = torch.randn(6, 3)
+    split = _ByX(md.dim_partitioner(0, workers=[0, 1, 2]))
+    for form in ("plain", "context"):
+        for partitioner, chunks in ((1, 1), (2, 1), (0, 1), (split, 3)):
+            torch.manual_seed(10)
+            remote = _Aliased()
+            local = copy.deepcopy(remote)  # keeps the aliases
+            if not isinstance(partitioner, _ByX):
+                seen = md.remote_sync_call(
+                    aliases_are_the_registered_ones, args=(remote,), partitioner=partitioner
+                )[0]
+                assert seen == [True] * 6, (form, partitioner, seen)
+            for step in range(4):
+                what = f"{form}, {partitioner}, step {step}"
+                remote.zero_grad()
+                local.zero_grad()
+                losses: list[torch.Tensor] = []
+                _in_form(
+                    form, functools.partial(_kept, losses, square_mean, (remote, x), partitioner)
+                )
+                expected = sum(square_mean(local, c) for c in x.chunk(chunks))
+                expected.backward()  # type: ignore[union-attr]
+                assert_close(losses[0], expected.detach(), f"aliased value, {what}")  # type: ignore[union-attr]
+                for a, b in zip(remote.parameters(), local.parameters(), strict=True):
+                    assert_close(a.grad, b.grad, f"aliased gradient, {what}")  # type: ignore[arg-type]
+                with torch.no_grad():  # in place: the next call sees the new values
+                    for m in (remote, local):
+                        m.w.add_(0.5)
+                        m.l1.weight.mul_(0.9)
+                        m.scale.mul_(1.5)
+                if step == 1:  # a new buffer: the plain dict keeps the old one, as locally
+                    for m in (remote, local):
+                        m.scale = torch.tensor(3.0)
+
+
 EDGES: list[Callable[[int], Any]] = [
     torch_func_transforms_are_refused,
     forward_mode_dual_tensors_are_refused,
@@ -1826,6 +1986,8 @@ EDGES: list[Callable[[int], Any]] = [
     complex_and_meta_results_are_exact,
     post_accumulate_grad_hooks_are_exact_or_refused,
     submodules_beside_their_module_are_its_own,
+    unregistered_modules_and_tensors_in_attributes_are_refused,
+    attributes_aliasing_registered_ones_are_exact,
 ]
 
 

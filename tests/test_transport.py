@@ -798,3 +798,54 @@ def world() -> Scenarios:
 @pytest.mark.parametrize("name", [s.__name__ for s in SCENARIOS])
 def test_arguments_and_results_travel_faithfully(world: Scenarios, name: str) -> None:
     world.check(name)
+
+
+# -- the structure cache alone (no RPC world)
+
+Pair2 = collections.namedtuple("Pair2", ["module", "n"])
+
+
+class SharedAliases(nn.Module):
+    """Plain attributes referring to registered objects: shared, nested, holding themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(3, 3)
+        self.register_buffer("scale", torch.tensor(2.0))
+        self.blocks = [self.l1]
+        self.same = self.blocks
+        self.l1.__dict__["back"] = self.blocks
+        self.loop: list[Any] = [self.scale]
+        self.loop.append(self.loop)
+        self.pair = Pair2(self.l1, 3)
+
+
+def rebuilt(model: nn.Module) -> tuple[nn.Module, list[torch.Tensor]]:
+    """``model`` as a worker builds it, with fresh parameter leaves."""
+    plan, modules = structure.plan_for(model, lambda: "args[0]")
+    params = [nn.Parameter(p.detach().clone()) for _, _, p in plan.param_reads]
+    buffers = [modules[k]._buffers[name].clone() for k, name in plan.buffer_reads]
+    made = structure.rebuilder(plan.fingerprint, plan.structure)
+    return made.build(params, buffers, (1 << len(modules)) - 1), params
+
+
+def test_plain_attributes_refer_to_the_rebuilt_module() -> None:
+    fresh, params = rebuilt(SharedAliases())
+    assert fresh.blocks is fresh.same is fresh.l1.back  # sharing survives
+    assert fresh.blocks[0] is fresh.l1
+    assert fresh.l1.weight is params[0]
+    assert fresh.loop[0] is fresh.scale
+    assert fresh.loop[1] is fresh.loop
+    assert type(fresh.pair) is Pair2
+    assert fresh.pair.module is fresh.l1
+    again, _ = rebuilt(SharedAliases())  # per call: nothing shared with the previous build
+    assert again.blocks is not fresh.blocks
+    # A buffer a plain attribute refers to, replaced: a new plan (the attribute keeps the old).
+    model = SharedAliases()
+    first, _ = structure.plan_for(model, str)
+    model.scale = torch.tensor(3.0)
+    assert structure.plan_for(model, str)[0] is not first
+    # Modules without such attributes build as before (an RNN's own list included).
+    for plain in (nn.Linear(3, 3), nn.LSTM(3, 4)):
+        plan, _ = structure.plan_for(plain, str)
+        assert structure.rebuilder(plan.fingerprint, plan.structure).aliases == ()
