@@ -25,12 +25,14 @@ import dataclasses
 import functools
 import io
 import pickle
+import types
 from typing import Any
 
 import numpy
 import torch
 from torch import nn
 from torch.autograd import forward_ad
+from torch.distributed.rpc import PyRRef  # type: ignore[attr-defined]
 
 from metadist import structure
 from metadist._pytree import (
@@ -396,8 +398,12 @@ def refuse_hidden_grad(obj: Any, name: str) -> None:
     finder = _TensorFinder(io.BytesIO())
     try:
         finder.dump(obj)
-    except Exception:
-        return  # unpicklable: RPC itself reports it when sending
+    except Exception as error:  # RPC would fail to send it: say so here, in-process too
+        raise TypeError(
+            f"{name} ({type(obj).__qualname__}) cannot be sent to other workers: pickling it "
+            f"failed with {type(error).__name__}: {error}"
+            + (" (pass list(...) of it instead)" if isinstance(obj, types.GeneratorType) else "")
+        ) from error
     if finder.found:
         raise TypeError(
             f"{name} ({type(obj).__qualname__}) holds a tensor that "
@@ -417,6 +423,8 @@ class _TensorFinder(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             self.found = self.found or obj.requires_grad
+            return id(obj)
+        if isinstance(obj, PyRRef):  # RPC's pickler sends it; plain pickle cannot
             return id(obj)
         return None
 

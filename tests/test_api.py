@@ -118,6 +118,18 @@ ROWS = [
     Row("args int", lambda fx: _call(fx, args=5), TypeError, r"args must be a tuple or list"),
     Row("kwargs list", lambda fx: _call(fx, kwargs=[1]), TypeError, r"kwargs must be a dict"),
     Row(
+        "generator argument",
+        lambda fx: _call(fx, args=((t for t in [fx.batch]),), partitioner=1),
+        TypeError,
+        r"args\[0\] \(generator\) cannot be sent.*list\(",
+    ),
+    Row(
+        "generator argument in-process",
+        lambda fx: _call(fx, args=((t for t in [fx.batch]),), partitioner=0),
+        TypeError,
+        r"args\[0\] \(generator\) cannot be sent",
+    ),
+    Row(
         "partitioner rank",
         lambda fx: _call(fx, partitioner=99),
         ValueError,
