@@ -45,8 +45,8 @@ _Spec = tuple[_Slots, _Slots, _Slots]
 
 # Where a plain attribute refers to what the tree registers: (_MODULE, _PARAMETER or _BUFFER,
 # index into the module, parameter or buffer list), or, for a list, tuple or dict, the recipes of
-# the positions (indices or keys) that hold such references.
-_Recipe = tuple[int, int] | dict[Any, Any]
+# the positions (indices or keys) that hold such references, or, for a set, a _SetRecipe.
+_Recipe = tuple[int, int] | dict[Any, Any] | list[Any]
 _MODULE = 0
 _PARAMETER = 1
 _BUFFER = 2
@@ -230,7 +230,10 @@ _UNREGISTERED = (
     "a {} that is not registered as a submodule and holds a parameter that requires grad or "
     "refers to the registered modules or tensors: a worker's copy would keep its values of the "
     "first call and lose its gradients. Register it (assign it as an attribute; nn.ModuleList "
-    "or nn.ModuleDict for a list or dict), or pass it as an argument"
+    "or nn.ModuleDict for a list or dict), or pass it as an argument (a reference back to a "
+    "module that holds this one: pass that module, with this one inside it; a fixed module: "
+    "freeze it with requires_grad_(False), and call metadist.invalidate_module_cache after "
+    "changing its values)"
 )
 
 
@@ -278,13 +281,19 @@ class _Scan:
             self._unregistered(value)
             return None
         if isinstance(value, (set, frozenset)):
-            self.done[id(value)] = None
-            if any(self.walk(v) is not None for v in value):
+            # Its members' references (a set holds no list or dict), then its other members:
+            # the worker makes the set anew from both, so its identity-based lookups hold.
+            found = {id(v): self.walk(v) for v in value}
+            members = [r for r in found.values() if r is not None]
+            if any(not isinstance(r, tuple) for r in members):
                 raise _RefusedError(
-                    "a set that holds registered modules or tensors, which a worker's copy "
-                    "cannot re-point to its own: use a list or a tuple"
+                    "a set holding a tuple that refers to registered modules or tensors, which "
+                    "a worker's copy cannot re-point: hold them in the set directly, or in a list"
                 )
-            return None
+            others = [v for v in value if found[id(v)] is None]
+            recipe_of_set = [members, others] if members else None
+            self.done[id(value)] = recipe_of_set
+            return recipe_of_set
         # Registered before it is filled: a container met again (shared, or holding itself)
         # gets the same recipe, and the worker the same copy (_repoint's ``made``).
         recipe: dict[Any, _Recipe] = {}
@@ -322,6 +331,11 @@ def _repoint(
         return sources[recipe[0]][recipe[1]]
     out = made.get(id(value))
     if out is not None:
+        return out
+    if isinstance(recipe, list):  # a set: its other members, and its references made anew
+        members, others = recipe
+        out = type(value)([*others, *(_repoint(None, r, sources, made) for r in members)])
+        made[id(value)] = out
         return out
     if isinstance(value, tuple):
         items = [

@@ -458,7 +458,7 @@ def encode(
     sources: dict[int, torch.Tensor] = {}
     # This message's encoding of each module and tensor; first, of the module arguments that
     # travel inside another (their tensors are that one's, sources with it).
-    refs: dict[int, Any] = _submodule_refs(leaves, args, kwargs)
+    refs: dict[int, Any] = _submodule_refs(leaves)
     for i, leaf in enumerate(leaves):
         ref = refs.get(id(leaf))
         if ref is not None:
@@ -495,12 +495,12 @@ def encode(
     return new_args, new_kwargs, True, tuple(new_structures), list(sources.values())
 
 
-def _submodule_refs(
-    leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[int, Any]:
+def _submodule_refs(leaves: list[Any]) -> dict[int, Any]:
     """A :class:`_SubmoduleRef` for each module argument (by id) that is a submodule of another
     module argument, pointing into an outermost one (one inside no other). Runs only with two
-    module arguments or more; modules inside each other both ways (a cycle) travel apart."""
+    module arguments or more; modules inside each other both ways (a cycle) travel apart. A
+    submodule's own plan is never made: it travels with its module (a back-reference to that
+    module in its attributes is then no unregistered module of its own)."""
     first: dict[int, int] = {}  # each module argument's first position among the leaves
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, nn.Module):
@@ -510,10 +510,10 @@ def _submodule_refs(
     # {module argument: {position of a module argument holding it: its index there}}
     holders: dict[int, dict[int, int]] = {}
     for i in first.values():
-        _, modules = structure.plan_for(leaves[i], functools.partial(_name, (args, kwargs, i)))
-        for k in range(1, len(modules)):
-            if id(modules[k]) in first:
-                holders.setdefault(id(modules[k]), {})[i] = k
+        # modules() in the order of the module's plan (structure.SendPlan lists it so).
+        for k, module in enumerate(leaves[i].modules()):
+            if k and id(module) in first:
+                holders.setdefault(id(module), {})[i] = k
     refs: dict[int, Any] = {}
     for key, held_by in holders.items():
         for i, k in held_by.items():
@@ -533,10 +533,12 @@ def check_sendable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         return
     leaves, _ = flatten_arguments(args, kwargs)
     transforming = _transforming()  # only there are tensors that cannot travel
+    nested = _submodule_refs(leaves)  # these travel inside another module argument
     for i, leaf in enumerate(leaves):
         where = (args, kwargs, i)
         if isinstance(leaf, nn.Module):
-            structure.plan_for(leaf, functools.partial(_name, where))
+            if id(leaf) not in nested:
+                structure.plan_for(leaf, functools.partial(_name, where))
             if transforming:
                 for name, p in leaf.named_parameters():
                     _refuse(p, where, f"parameter {name!r} of module argument")

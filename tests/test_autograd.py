@@ -1866,7 +1866,6 @@ def unregistered_modules_and_tensors_in_attributes_are_refused(world_size: int) 
             r"attribute 'extra' of its _HiddenParameter holds a tensor that requires grad",
             "nn.ParameterList",
         ),
-        (_SkipSet, r"attribute 'skip' of its _SkipSet holds a set", "a list or a tuple"),
     ]
     for form in ("plain", "context"):
         for make, match, fix in cases:
@@ -1890,6 +1889,40 @@ def unregistered_modules_and_tensors_in_attributes_are_refused(world_size: int) 
             assert_close(losses[0], expected.detach(), f"frozen hidden head value, {form}")  # type: ignore[union-attr]
             for a, b in zip(remote.parameters(), local.parameters(), strict=True):
                 assert_close(a.grad, b.grad, f"frozen hidden head gradient, {form}")  # type: ignore[arg-type]
+
+
+def child_and_parent(m: _Aliased, child: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    assert child is m.l2  # one object
+    assert child.owner is m  # its back-reference: the parent
+    return square_mean(m, x) + child(torch.ones(1, 3)).sum()
+
+
+def sets_and_back_references_in_attributes_are_exact(world_size: int) -> None:
+    x = torch.randn(6, 3)
+    # A child with a reference back to its parent, beside the parent: it travels inside it.
+    for partitioner in (1, 0):
+        torch.manual_seed(12)
+        remote = _Aliased()
+        local = copy.deepcopy(remote)
+        _call_loss(child_and_parent, (remote, remote.l2, x), partitioner).backward()
+        child_and_parent(local, local.l2, x).backward()
+        for a, b in zip(remote.parameters(), local.parameters(), strict=True):
+            assert_close(a.grad, b.grad, f"child beside its parent, {partitioner}")  # type: ignore[arg-type]
+    for form in ("plain", "context"):
+        for partitioner in (1, 0):
+            torch.manual_seed(11)
+            remote = _SkipSet()
+            local = copy.deepcopy(remote)
+            losses: list[torch.Tensor] = []
+            _in_form(form, functools.partial(_kept, losses, square_mean, (remote, x), partitioner))
+            expected = square_mean(local, x)
+            expected.backward()
+            what = f"set of children, {form}, {partitioner}"
+            assert_close(losses[0], expected.detach(), what)
+            for a, b in zip(remote.parameters(), local.parameters(), strict=True):
+                assert (a.grad is None) == (b.grad is None), what
+                if a.grad is not None:
+                    assert_close(a.grad, b.grad, what)  # type: ignore[arg-type]
 
 
 def _kept(
@@ -1988,6 +2021,7 @@ EDGES: list[Callable[[int], Any]] = [
     submodules_beside_their_module_are_its_own,
     unregistered_modules_and_tensors_in_attributes_are_refused,
     attributes_aliasing_registered_ones_are_exact,
+    sets_and_back_references_in_attributes_are_exact,
 ]
 
 
