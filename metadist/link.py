@@ -342,6 +342,11 @@ def _aliases(outputs: list[torch.Tensor]) -> dict[int, list[int]]:
     }
 
 
+def _to_link(held: _Held) -> list[torch.Tensor]:
+    """A held result's tensors to link, in the order of its kept graph's outputs."""
+    return [*(held.flat[i] for i in held.outputs), *held.grads]
+
+
 def result_of(reply: Reply) -> Any:
     """The result of a reply whose graph was not kept: its tensors that required grad are
     fresh leaves, as a leaf made inside a local call would be."""
@@ -354,11 +359,13 @@ def result_of(reply: Reply) -> Any:
 
 
 class _Held(NamedTuple):
-    """A result whose tensors wait to be linked (see :meth:`Link.finish`)."""
+    """A result whose tensors wait to be linked (see :meth:`Link.finish`), and the ``.grad``
+    with a graph its partition left (linked after them)."""
 
     flat: list[Any]
     spec: Any
     outputs: tuple[int, ...]
+    grads: list[torch.Tensor]
 
 
 class _GradState(NamedTuple):
@@ -413,8 +420,11 @@ class Link:
         """A remote partition's reply: its ``.grad`` writes noted, its result returned, or
         held until :meth:`finish` links it."""
         positions = self.positions.get(index, [])
-        for k, wired, in_place in reply.grads:
+        with_graph: list[torch.Tensor] = []  # linked by finish, then written
+        for k, wired, in_place, linked in reply.grads:
             grad = None if wired is None else transport.unwire(wired)
+            if linked and grad is not None:
+                with_graph.append(grad)
             partition = f"partition {index} (on {worker!r})"
             self._written.append((partition, positions[k], grad, in_place))
         if not reply.kept:
@@ -425,28 +435,30 @@ class Link:
         for i in reply.fresh:
             flat[i].requires_grad_(True)
         key = self.keys[index]
-        self.state.graphs.append(Graph(worker, key, positions, len(reply.outputs), record))
-        held = _Held(flat, spec, reply.outputs)
+        outputs = len(reply.outputs) + len(with_graph)
+        self.state.graphs.append(Graph(worker, key, positions, outputs, record))
+        held = _Held(flat, spec, reply.outputs, with_graph)
         self._pending.append(held)
         return held
 
     def finish(self, values: list[Any]) -> list[Any]:
-        """``values`` with every held result's tensors made outputs of the call's nodes, once
-        the ``.grad`` the remote partitions wrote is applied."""
+        """``values`` with every held result's tensors made outputs of the call's nodes, and
+        the ``.grad`` the remote partitions wrote applied."""
+        if self._pending:
+            self.start()
+            assert self.token is not None
+            outputs = [t for held in self._pending for t in _to_link(held)]
+            with torch.enable_grad():
+                linked = iter(_linked(self.state, self.token, outputs))
+            made: dict[int, torch.Tensor] = {}
+            for held in self._pending:
+                # A tensor in two places of a result arrived as one object: both get its output.
+                made |= {id(t): next(linked) for t in _to_link(held)}
+                for j, leaf in enumerate(held.flat):
+                    held.flat[j] = made.get(id(leaf), leaf)
+            self._written = [(p, k, made.get(id(g), g), i) for p, k, g, i in self._written]
+            self._pending = []
         self._apply_written()
-        if not self._pending:
-            return values
-        self.start()
-        assert self.token is not None
-        outputs = [flat[i] for flat, _, indices in self._pending for i in indices]
-        with torch.enable_grad():
-            linked = iter(_linked(self.state, self.token, outputs))
-        for flat, _, indices in self._pending:
-            # A tensor in two places of a result arrived as one object: both get its output.
-            mine = {id(flat[i]): next(linked) for i in indices}
-            for j, leaf in enumerate(flat):
-                flat[j] = mine.get(id(leaf), leaf)
-        self._pending = []
         return [tree_unflatten(v.flat, v.spec) if isinstance(v, _Held) else v for v in values]
 
     def _apply_written(self) -> None:
@@ -475,7 +487,8 @@ class Link:
                 for _, g, _ in writes:
                     assert g is not None  # a leaf that had none only gains one
                     g = g.to(source.dtype)  # noqa: PLW2901
-                    with torch.no_grad():
+                    # A .grad with a graph accumulates with it, as create_graph's does.
+                    with torch.set_grad_enabled(g.requires_grad):
                         source.grad = g if source.grad is None else source.grad + g
             else:
                 mine = source.grad is not start.grad or not transport.unchanged(

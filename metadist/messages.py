@@ -75,8 +75,9 @@ class Reply(NamedTuple):
     outputs: tuple[int, ...]  # flat indices of the result's tensors that required grad
     fresh: tuple[int, ...]  # flat indices of the leaves the function made (leaves on the caller)
     kept: bool  # the outputs' graph is kept under the request's key (else they are leaves too)
-    # (leaf position, its .grad now (wired), whether changed in place) where it changed
-    grads: tuple[tuple[int, Any, bool], ...]
+    # (leaf position, its .grad now (wired), whether changed in place, whether it has a graph:
+    # then the kept graph's next output, after the result's) where it changed
+    grads: tuple[tuple[int, Any, bool, bool], ...]
     wired: bool
     start: float
     end: float

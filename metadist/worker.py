@@ -118,31 +118,29 @@ def check_result(result: Any) -> None:
 
 def _grad_changes(
     leaves: list[torch.Tensor], given: list[tuple[Any, Any]]
-) -> tuple[tuple[int, Any, bool], ...]:
+) -> tuple[tuple[tuple[int, Any, bool, bool], ...], list[torch.Tensor]]:
     """Each leaf's ``.grad`` where the function changed it: ``given`` holds what the leaf got
-    (the caller's ``.grad``, or ``None``) and a copy to compare with."""
+    (the caller's ``.grad``, or ``None``) and a copy to compare with. A ``.grad`` with a graph
+    (``backward(create_graph=True)``) is also returned apart: it travels as one more result of
+    the partition, so that the caller can differentiate it as in one process."""
     changes = []
+    with_graph = []
     for k, (leaf, (start, copy)) in enumerate(zip(leaves, given, strict=True)):
         now = leaf.grad
         if start is None and now is None:
             continue
         if start is not None and now is start and transport.unchanged(now, copy):
             continue
-        if now is not None and now.requires_grad:
-            raise RuntimeError(_GRAD_WITH_GRAPH.format(shape=tuple(leaf.shape)))
-        wired = None if now is None else transport.wire(now.detach(), None)
-        changes.append((k, wired, now is start))  # in place: the caller's .grad object takes it
-    return tuple(changes)
-
-
-_GRAD_WITH_GRAPH = (
-    "a backward pass inside this remote partition left a .grad that has a graph "
-    "(backward(create_graph=True)) on a tensor of shape {shape} among its arguments: in one "
-    "process the caller could differentiate that .grad, but it reaches the caller as a value "
-    "only. Return the gradients from the function instead "
-    "(torch.autograd.grad(..., create_graph=True)), or run the partition on the caller "
-    "(partitioner=0)"
-)
+        wired = None
+        linked = False
+        if now is not None:
+            wired = transport.wire(now.detach(), None)
+            linked = now.requires_grad
+            if linked:
+                with_graph.append(now)
+        # In place: the caller's .grad object takes it. Linked: one more output of the graph.
+        changes.append((k, wired, now is start, linked))
+    return tuple(changes), with_graph
 
 
 def _fresh(
@@ -178,7 +176,7 @@ def _reply(
 ) -> Reply:
     """``result`` detached and wired, its graph kept under the request's key when it reaches
     ``leaves``."""
-    grads = _grad_changes(leaves, given)
+    grads, grads_with_graph = _grad_changes(leaves, given)
     flat, spec = tree_flatten(result)
     differentiable = [
         i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -187,10 +185,10 @@ def _reply(
     # One tensor in two places of the result is one output (and one object on the caller).
     firsts = {id(flat[i]): i for i in reversed(differentiable)}
     outputs = tuple(i for i in differentiable if firsts[id(flat[i])] == i and i not in fresh)
-    kept = bool(outputs and leaves) and request.graph is not None
+    kept = bool((outputs or grads_with_graph) and leaves) and request.graph is not None
     if kept:
         assert request.graph is not None
-        _keep(request.graph, leaves, [flat[i] for i in outputs])
+        _keep(request.graph, leaves, [*(flat[i] for i in outputs), *grads_with_graph])
     wired = False
     sent: dict[int, Any] = {}
     for i, t in enumerate(flat):

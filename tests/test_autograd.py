@@ -1301,7 +1301,12 @@ def one_tensor_twice(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def grad_with_graph_inside(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     loss = m(x).pow(2).mean()
     loss.backward(create_graph=True)  # .grad keeps a graph: a gradient penalty would use it
-    return loss.detach()
+    return loss
+
+
+def penalty_inside(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    grad_with_graph_inside(m, x)
+    return sum(p.grad.pow(2).sum() for p in m.parameters())  # type: ignore[return-value, union-attr]
 
 
 def fresh_leaves_and_shared_results_are_exact_or_refused(world_size: int) -> None:
@@ -1370,27 +1375,42 @@ def fresh_leaves_and_shared_results_are_exact_or_refused(world_size: int) -> Non
             md.remote_sync_call(writes_grad, args=(w,), partitioner=where)
         assert w.grad is before, where
         assert w.grad.tolist() == [3.0, 3.0, 3.0], where
-    # A .grad with a graph, left by a backward inside the partition: exact on the caller's own
-    # partition, refused on a worker's (it would reach the caller as a value only).
+    # A .grad with a graph, left by a backward inside the partition: the caller differentiates
+    # it as in one process (a gradient penalty), inside the function or after the call.
     torch.manual_seed(2)
     x = torch.randn(4, 3)
-    for where in ("local", 0, 1):
-        torch.manual_seed(3)
-        m = nn.Linear(3, 1)
-        if where == 1:
-            with pytest.raises(RuntimeError, match=r"left a \.grad that has a graph"):
-                md.remote_sync_call(grad_with_graph_inside, args=(m, x), partitioner=1)
-            continue
-        if where == "local":
-            loss = grad_with_graph_inside(m, x)
-        else:
-            (loss,) = md.remote_sync_call(grad_with_graph_inside, args=(m, x), partitioner=0)
-        penalty = sum(p.grad.pow(2).sum() for p in m.parameters())  # type: ignore[union-attr]
-        got = torch.autograd.grad(penalty, m.weight)[0]
-        if where == "local":
-            want = got
-        else:
-            assert_close(got, want, "gradient penalty on .grad")
+    for form in ("plain", "context"):
+        want: list[torch.Tensor] = []
+        want_inside: list[torch.Tensor] = []
+        for where in ("local", 0, 1):
+            torch.manual_seed(3)
+            m = nn.Linear(3, 1)
+            if where == "local":
+                loss = grad_with_graph_inside(m, x)
+            else:
+                (loss,) = md.remote_sync_call(
+                    grad_with_graph_inside, args=(m, x), partitioner=where
+                )
+            assert m.weight.grad is not None
+            assert m.weight.grad.requires_grad, (form, where)
+            penalty = sum(p.grad.pow(2).sum() for p in m.parameters())  # type: ignore[union-attr]
+            got = [m.weight.grad.detach().clone()]
+            m.zero_grad()
+            _in_form(form, lambda loss=loss, penalty=penalty: loss + penalty)
+            got.append(m.weight.grad)
+            if where == "local":
+                want = got
+            for a, b in zip(got, want, strict=True):
+                assert_close(a, b, f"gradient penalty on .grad, {form}, {where}")
+            torch.manual_seed(3)
+            m = nn.Linear(3, 1)
+            if where == "local":
+                inside = [penalty_inside(m, x)]
+            else:
+                inside = md.remote_sync_call(penalty_inside, args=(m, x), partitioner=where)
+            if where == "local":
+                want_inside = inside
+            assert_close(inside[0], want_inside[0], f"penalty computed inside, {form}, {where}")
 
 
 def meta_tensors_travel_as_meta(world_size: int) -> None:
