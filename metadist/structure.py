@@ -14,6 +14,7 @@ import copy
 import hashlib
 import pickle
 import threading
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -50,6 +51,7 @@ _Recipe = tuple[int, int] | dict[Any, Any] | list[Any]
 _MODULE = 0
 _PARAMETER = 1
 _BUFFER = 2
+_METHOD = 3  # a method bound to a registered module (a hook: register_forward_hook(self.f))
 
 # Per module, every slot that decides the plan's shape, in order: parameter names and the object
 # in each slot (identity also decides which slots share a tensor), buffer names and which are
@@ -272,6 +274,9 @@ class _Scan:
                     "pass it as an argument"
                 )
             return None
+        if isinstance(value, types.MethodType):
+            owner = self.known.get(id(value.__self__))
+            return (_METHOD, owner[1]) if owner is not None and owner[0] == _MODULE else None
         if not isinstance(value, (dict, list, tuple, set, frozenset, nn.Module)):
             return None
         if id(value) in self.done:
@@ -285,10 +290,10 @@ class _Scan:
             # the worker makes the set anew from both, so its identity-based lookups hold.
             found = {id(v): self.walk(v) for v in value}
             members = [r for r in found.values() if r is not None]
-            if any(not isinstance(r, tuple) for r in members):
+            if any(not isinstance(r, tuple) or r[0] == _METHOD for r in members):
                 raise _RefusedError(
-                    "a set holding a tuple that refers to registered modules or tensors, which "
-                    "a worker's copy cannot re-point: hold them in the set directly, or in a list"
+                    "a set holding a tuple or a method that refers to registered modules or "
+                    "tensors, which a worker's copy cannot re-point: hold them in a list"
                 )
             others = [v for v in value if found[id(v)] is None]
             recipe_of_set = [members, others] if members else None
@@ -328,6 +333,8 @@ def _repoint(
     ``sources`` (this call's fresh modules, parameters, buffers); the skeleton's is unchanged.
     ``made`` maps each container copied so far to its copy, so that sharing survives."""
     if isinstance(recipe, tuple):
+        if recipe[0] == _METHOD:
+            return types.MethodType(value.__func__, sources[_MODULE][recipe[1]])
         return sources[recipe[0]][recipe[1]]
     out = made.get(id(value))
     if out is not None:

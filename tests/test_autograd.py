@@ -1911,14 +1911,48 @@ def unregistered_modules_and_tensors_in_attributes_are_refused(world_size: int) 
                 assert_close(a.grad, b.grad, f"frozen hidden head gradient, {form}")  # type: ignore[arg-type]
 
 
+class _HookedSelf(nn.Module):
+    """A forward pre-hook that is its own bound method, and children's bound methods in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(3, 3)
+        self.l2 = nn.Linear(3, 1)
+        self.w = nn.Parameter(torch.full((3,), 2.0))
+        self.steps = [self.l1.forward, self.l2.forward]
+        self.register_forward_pre_hook(self._scale_input)
+
+    def _scale_input(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0] * self.w,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for step in self.steps:
+            x = step(x)
+        return x
+
+
 def child_and_parent(m: _Aliased, child: nn.Module, x: torch.Tensor) -> torch.Tensor:
     assert child is m.l2  # one object
     assert child.owner is m  # its back-reference: the parent
     return square_mean(m, x) + child(torch.ones(1, 3)).sum()
 
 
-def sets_and_back_references_in_attributes_are_exact(world_size: int) -> None:
+def sets_back_references_and_bound_methods_are_exact(world_size: int) -> None:
     x = torch.randn(6, 3)
+    # Bound methods of the module and its children (a hook, a list of forwards): re-bound.
+    for form in ("plain", "context"):
+        for partitioner in (1, 0):
+            torch.manual_seed(13)
+            remote = _HookedSelf()
+            local = copy.deepcopy(remote)
+            losses: list[torch.Tensor] = []
+            _in_form(form, functools.partial(_kept, losses, square_mean, (remote, x), partitioner))
+            expected = square_mean(local, x)
+            expected.backward()
+            what = f"bound methods, {form}, {partitioner}"
+            assert_close(losses[0], expected.detach(), what)
+            for a, b in zip(remote.parameters(), local.parameters(), strict=True):
+                assert_close(a.grad, b.grad, what)  # type: ignore[arg-type]
     # A child with a reference back to its parent, beside the parent: it travels inside it.
     for partitioner in (1, 0):
         torch.manual_seed(12)
@@ -2041,7 +2075,7 @@ EDGES: list[Callable[[int], Any]] = [
     submodules_beside_their_module_are_its_own,
     unregistered_modules_and_tensors_in_attributes_are_refused,
     attributes_aliasing_registered_ones_are_exact,
-    sets_and_back_references_in_attributes_are_exact,
+    sets_back_references_and_bound_methods_are_exact,
 ]
 
 
