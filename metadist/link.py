@@ -511,7 +511,9 @@ class Link:
         if through:
             sources, grads = zip(*through, strict=True)
             try:
-                torch.autograd.backward(list(sources), list(grads))
+                # A .grad with a graph (create_graph inside) leaves one with a graph there too.
+                with_graph = any(g.requires_grad for g in grads)
+                torch.autograd.backward(list(sources), list(grads), create_graph=with_graph)
             except RuntimeError as error:
                 error.add_note(
                     "[metadist] a backward inside a remote partition went on through a non-leaf "

@@ -11,6 +11,7 @@ makes a fresh module object per call from the call's tensors (RPC handlers run c
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import pickle
 import threading
@@ -47,11 +48,12 @@ _Spec = tuple[_Slots, _Slots, _Slots]
 # Where a plain attribute refers to what the tree registers: (_MODULE, _PARAMETER or _BUFFER,
 # index into the module, parameter or buffer list), or, for a list, tuple or dict, the recipes of
 # the positions (indices or keys) that hold such references, or, for a set, a _SetRecipe.
-_Recipe = tuple[int, int] | dict[Any, Any] | list[Any]
+_Recipe = tuple[Any, ...] | dict[Any, Any] | list[Any]
 _MODULE = 0
 _PARAMETER = 1
 _BUFFER = 2
 _METHOD = 3  # a method bound to a registered module (a hook: register_forward_hook(self.f))
+_PARTIAL = 4  # a functools.partial of such references: (_PARTIAL, func's, args', keywords')
 
 # Per module, every slot that decides the plan's shape, in order: parameter names and the object
 # in each slot (identity also decides which slots share a tensor), buffer names and which are
@@ -277,6 +279,9 @@ class _Scan:
         if isinstance(value, types.MethodType):
             owner = self.known.get(id(value.__self__))
             return (_METHOD, owner[1]) if owner is not None and owner[0] == _MODULE else None
+        if isinstance(value, functools.partial):
+            parts = (self.walk(value.func), self.walk(value.args), self.walk(value.keywords))
+            return None if parts == (None, None, None) else (_PARTIAL, *parts)
         if not isinstance(value, (dict, list, tuple, set, frozenset, nn.Module)):
             return None
         if id(value) in self.done:
@@ -290,7 +295,7 @@ class _Scan:
             # the worker makes the set anew from both, so its identity-based lookups hold.
             found = {id(v): self.walk(v) for v in value}
             members = [r for r in found.values() if r is not None]
-            if any(not isinstance(r, tuple) or r[0] == _METHOD for r in members):
+            if any(not isinstance(r, tuple) or r[0] >= _METHOD for r in members):
                 raise _RefusedError(
                     "a set holding a tuple or a method that refers to registered modules or "
                     "tensors, which a worker's copy cannot re-point: hold them in a list"
@@ -335,6 +340,14 @@ def _repoint(
     if isinstance(recipe, tuple):
         if recipe[0] == _METHOD:
             return types.MethodType(value.__func__, sources[_MODULE][recipe[1]])
+        if recipe[0] == _PARTIAL:
+            func, args, keywords = (
+                part if r is None else _repoint(part, r, sources, made)
+                for part, r in zip(
+                    (value.func, value.args, value.keywords), recipe[1:], strict=True
+                )
+            )
+            return functools.partial(func, *args, **keywords)
         return sources[recipe[0]][recipe[1]]
     out = made.get(id(value))
     if out is not None:

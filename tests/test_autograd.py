@@ -1304,6 +1304,12 @@ def grad_with_graph_inside(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def tanh_loss_create_graph(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    loss = torch.tanh(x * w).pow(2).sum()
+    loss.backward(create_graph=True)  # reaches w's history on the caller (w = w0 * 2)
+    return loss.detach()
+
+
 def penalty_inside(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     grad_with_graph_inside(m, x)
     return sum(p.grad.pow(2).sum() for p in m.parameters())  # type: ignore[return-value, union-attr]
@@ -1411,6 +1417,20 @@ def fresh_leaves_and_shared_results_are_exact_or_refused(world_size: int) -> Non
             if where == "local":
                 want_inside = inside
             assert_close(inside[0], want_inside[0], f"penalty computed inside, {form}, {where}")
+    # The same through a non-leaf argument's history (adapted weights): the leaf behind it gets
+    # a .grad with a graph, as in one process.
+    x = torch.tensor([0.3, -1.2, 0.7])
+    penalty_grads: list[torch.Tensor] = []
+    for where in ("local", 0, 1):
+        w0 = torch.tensor([0.5, -0.3, 0.8], requires_grad=True)
+        if where == "local":
+            tanh_loss_create_graph(x, w0 * 2)
+        else:
+            md.remote_sync_call(tanh_loss_create_graph, args=(x, w0 * 2), partitioner=where)
+        assert w0.grad is not None
+        assert w0.grad.requires_grad, where
+        penalty_grads.append(torch.autograd.grad(w0.grad.pow(2).sum(), w0)[0])
+        assert_close(penalty_grads[-1], penalty_grads[0], f"through a history, {where}")
 
 
 def meta_tensors_travel_as_meta(world_size: int) -> None:
@@ -1912,7 +1932,8 @@ def unregistered_modules_and_tensors_in_attributes_are_refused(world_size: int) 
 
 
 class _HookedSelf(nn.Module):
-    """A forward pre-hook that is its own bound method, and children's bound methods in a list."""
+    """Hooks that are its own bound methods (one in a functools.partial), and children's bound
+    methods in a list."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1921,9 +1942,13 @@ class _HookedSelf(nn.Module):
         self.w = nn.Parameter(torch.full((3,), 2.0))
         self.steps = [self.l1.forward, self.l2.forward]
         self.register_forward_pre_hook(self._scale_input)
+        self.register_forward_hook(functools.partial(self._shift, amount=3.0))
 
     def _scale_input(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return (args[0] * self.w,)
+
+    def _shift(self, module: nn.Module, args: Any, out: torch.Tensor, amount: float) -> Any:
+        return out + amount * self.l2.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for step in self.steps:
