@@ -509,19 +509,7 @@ class Link:
                 else:
                     source.grad = None if g is None else g.to(source.dtype)
         if through:
-            sources, grads = zip(*through, strict=True)
-            try:
-                # A .grad with a graph (create_graph inside) leaves one with a graph there too.
-                with_graph = any(g.requires_grad for g in grads)
-                torch.autograd.backward(list(sources), list(grads), create_graph=with_graph)
-            except RuntimeError as error:
-                error.add_note(
-                    "[metadist] a backward inside a remote partition went on through a non-leaf "
-                    "argument's history, which an earlier backward freed (the caller's own "
-                    "partition's, say, as the function run chunk by chunk in one process would "
-                    "find it): run the earlier one with retain_graph=True"
-                )
-                raise
+            _go_through(through)
 
     def abandon(self, lost: Sequence[tuple[str, int]]) -> None:
         """The call failed: release its kept graphs and those of partitions ``(worker,
@@ -535,6 +523,23 @@ class Link:
             [(p.worker, p.key) for p in graphs]
             + [(w, self.keys[i]) for w, i in lost if i in self.keys],
         )
+
+
+def _go_through(through: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Carry the ``.grad`` written on non-leaf arguments on through their history, in one pass."""
+    sources, grads = zip(*through, strict=True)
+    try:
+        # A .grad with a graph (create_graph inside) leaves one with a graph there too.
+        with_graph = any(g.requires_grad for g in grads)
+        torch.autograd.backward(list(sources), list(grads), create_graph=with_graph)
+    except RuntimeError as error:
+        error.add_note(
+            "[metadist] a backward inside a remote partition went on through a non-leaf "
+            "argument's history, which an earlier backward freed (the caller's own "
+            "partition's, say, as the function run chunk by chunk in one process would "
+            "find it): run the earlier one with retain_graph=True"
+        )
+        raise
 
 
 _TWO_WRITERS = (

@@ -150,24 +150,7 @@ class SendPlan:
         # makes deepcopy return None for them instead of copying their data).
         memo: dict[int, Any] = {id(t): None for t in (*params, *buffers)}
         scan = _Scan(known, memo)
-        aliases: list[tuple[int, str, _Recipe]] = []
-        for k, m in enumerate(modules):
-            for attr, value in vars(m).items():
-                if attr in _REGISTERED:
-                    continue
-                try:
-                    recipe = scan.walk(value)
-                except _RefusedError as refused:
-                    raise TypeError(
-                        f"module argument {describe()} ({type(module).__qualname__}): "
-                        f"attribute {attr!r} of its {type(m).__qualname__} holds {refused}"
-                    ) from None
-                # An RNN's list of its own weights is refreshed by _init_flat_weights (which
-                # also remakes its weak references and flattens the weights on CUDA).
-                if recipe is not None and not (
-                    isinstance(m, nn.RNNBase) and attr == "_flat_weights"
-                ):
-                    aliases.append((k, attr, recipe))
+        aliases = scan.attributes(modules, lambda: f"{describe()} ({type(module).__qualname__})")
         try:
             skeleton = copy.deepcopy(module, memo)
             for m in skeleton.modules():  # sent per call: keep it out of the fingerprint
@@ -254,6 +237,31 @@ class _Scan:
         self.aliased_buffers: set[int] = set()
         # Containers and modules already walked (a list that holds itself, a shared one).
         self.done: dict[int, _Recipe | None] = {}
+
+    def attributes(
+        self, modules: list[nn.Module], describe: Callable[[], str]
+    ) -> list[tuple[int, str, _Recipe]]:
+        """Walk every module's plain attributes: ``(module, attribute, recipe)`` for those that
+        refer to what the tree registers; ``TypeError`` naming the argument (``describe()``)."""
+        aliases = []
+        for k, m in enumerate(modules):
+            for attr, value in vars(m).items():
+                if attr in _REGISTERED:
+                    continue
+                try:
+                    recipe = self.walk(value)
+                except _RefusedError as refused:
+                    raise TypeError(
+                        f"module argument {describe()}: attribute {attr!r} of its "
+                        f"{type(m).__qualname__} holds {refused}"
+                    ) from None
+                # An RNN's list of its own weights is refreshed by _init_flat_weights (which
+                # also remakes its weak references and flattens the weights on CUDA).
+                if recipe is not None and not (
+                    isinstance(m, nn.RNNBase) and attr == "_flat_weights"
+                ):
+                    aliases.append((k, attr, recipe))
+        return aliases
 
     def walk(self, value: Any) -> _Recipe | None:
         """How to re-point ``value`` on the worker; None where it refers to nothing registered."""
