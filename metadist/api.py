@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import pickle
 import queue
@@ -20,7 +21,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec
 
 import torch
 import torch.distributed.rpc as rpc
@@ -64,7 +65,6 @@ __all__ = [
 ]
 
 P = ParamSpec("P")
-T = TypeVar("T")
 
 
 #: A worker rank, a worker name, or ``partitioner(*args, **kwargs) -> [(worker, args, kwargs)]``.
@@ -73,10 +73,7 @@ Partitioner = int | str | Callable[..., Sequence[tuple[int | str, Sequence[Any],
 Reducer = Callable[[list[Any]], Any]
 
 _ORIGINAL = remote_worker.ORIGINAL
-
-# ----------------------------------------------------------------------------------------------
-# Which object to pickle for ``func`` (checked once per function)
-
+# The object to pickle for each ``func``, checked once per function.
 _SENDABLE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
@@ -124,9 +121,8 @@ def _resolve_sendable(func: Any) -> Any:
     try:
         pickle.dumps(func)
     except Exception as error:
-        raise _not_sendable(func, f"pickling failed with {type(error).__name__}: {error}") from (
-            error
-        )
+        why = f"pickling failed with {type(error).__name__}: {error}"
+        raise _not_sendable(func, why) from error
     return func
 
 
@@ -139,10 +135,6 @@ def _sendable(func: Any) -> Any:
     with contextlib.suppress(TypeError):  # not weak-referenceable: checked on every call
         _SENDABLE[func] = sendable
     return sendable
-
-
-# ----------------------------------------------------------------------------------------------
-# Caller side
 
 
 def _check_reducer(reducer: Any) -> None:
@@ -166,8 +158,7 @@ def _check_partitioner(partitioner: Any) -> None:
 def _partitions(
     partitioner: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]
 ) -> tuple[list[tuple[str, tuple[Any, ...], dict[str, Any]]], tuple[int, ...] | None, str]:
-    """The partitions as ``(worker name, args, kwargs)``, their sizes, and their schedule
-    (:attr:`~metadist.partition.Partitions.schedule`)."""
+    """The partitions as ``(worker name, args, kwargs)``, their sizes and their schedule."""
     _check_partitioner(partitioner)
     if partitioner is None:
         partitioner = batch_partitioner
@@ -214,12 +205,8 @@ def _partitions(
         parts.append((names[worker_id], tuple(p_args), p_kwargs))
     sizes = getattr(raw, "sizes", None)
     if sizes is not None:  # refused before sending: wrong sizes would skew a weighted mean
-        sizes = check_sizes(
-            sizes,
-            len(parts),
-            f"partitioner {name} returned {len(parts)} partitions: Partitions.sizes",
-            "partition",
-        )
+        what = f"partitioner {name} returned {len(parts)} partitions: Partitions.sizes"
+        sizes = check_sizes(sizes, len(parts), what, "partition")
     return parts, sizes, getattr(raw, "schedule", "static")
 
 
@@ -328,11 +315,8 @@ class _Schedule:
     def drive(self, parts: list[str]) -> None:
         """Send and run every partition; return when none is left to start or in flight."""
         own = self.call.own
-        if self.dynamic:
-            self.queues[""] = collections.deque(range(len(parts)))
-        else:
-            for i, name in enumerate(parts):
-                self.queues.setdefault(name, collections.deque()).append(i)
+        for i, name in enumerate(parts):
+            self.queues.setdefault("" if self.dynamic else name, collections.deque()).append(i)
         remote = [w for w in dict.fromkeys(parts) if w != own]
         for worker in remote:
             self.fill(worker)
@@ -350,13 +334,10 @@ class _Schedule:
 
     def _wait(self) -> None:
         """Block until a partition in flight finishes; never forever unless asked to."""
-        limit = self.call.timeout
-        if limit == 0:  # timeout=None: the user asked to wait as long as it takes
-            self.wakeups.get()
-            return
+        limit = self.call.timeout  # 0: timeout=None, the user asked to wait as long as it takes
         try:
             # torch reports a timed-out partition itself; the margin covers its timer.
-            self.wakeups.get(timeout=limit + 5.0)
+            self.wakeups.get(timeout=None if limit == 0 else limit + 5.0)
         except queue.Empty:
             busy = sorted(w for w, n in self.in_flight.items() if n)
             raise TimeoutError(
@@ -368,32 +349,24 @@ class _Schedule:
             ) from None
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class _Call:
     """The partitions of one remote call, and how to turn them into its result: those whose
     worker is the caller run in-process, on the calling thread (``local`` holds their outcomes),
     the others are RPC futures, their gradients linked by :class:`metadist.link.Link`."""
 
-    def __init__(  # noqa: PLR0917 - internal
-        self,
-        func: Any,
-        func_name: str,
-        parts: list[tuple[str, tuple[Any, ...], dict[str, Any]]],
-        own: str,
-        reducer: Reducer | None,
-        sizes: tuple[int, ...] | None,
-        compression: torch.dtype | None,
-        timeout: float,
-    ) -> None:
-        self.func = func
-        self.func_name = func_name
-        self.parts = parts
-        self.own = own
-        self.reducer = reducer
-        self.sizes = sizes
-        self.compression = compression
-        self.timeout = timeout
-        count = len(parts)
-        self.workers = [name for name, _, _ in parts]  # where each ran (dynamic: decided late)
+    func: Any
+    func_name: str
+    parts: list[tuple[str, tuple[Any, ...], dict[str, Any]]]
+    own: str
+    reducer: Reducer | None
+    sizes: tuple[int, ...] | None
+    compression: torch.dtype | None
+    timeout: float
+
+    def __post_init__(self) -> None:
+        count = len(self.parts)
+        self.workers = [name for name, _, _ in self.parts]  # where each ran (dynamic: decided late)
         self.futures: list[Future[Any] | None] = [None] * count
         self.local: dict[int, tuple[bool, Any]] = {}
         self.requests: dict[int, Request] = {}
@@ -408,7 +381,7 @@ class _Call:
         self.callbacks: list[Callable[[int, Future[Any]], None]] = []
         self.lost: list[tuple[str, int]] = []  # partitions whose RPC failed: (worker, index)
         log = timeline.active()
-        self.telemetry = _Telemetry(log, func_name) if log is not None else None
+        self.telemetry = _Telemetry(log, self.func_name) if log is not None else None
         if self.telemetry is not None:
             self.callbacks.append(self.telemetry.done)
 
@@ -525,7 +498,8 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
     call.world_token = world.world_token()
     call.state = state = CallerState.here()
     call.in_context = remote_worker.current_context_id() is not None
-    holds_rref = any(_holds_rref(call.parts[i][1:]) for i in remote)
+    leaves, _ = tree_flatten([call.parts[i][1:] for i in remote])
+    holds_rref = any(isinstance(leaf, PyRRef) for leaf in leaves)  # what rpc.remote returns
     if holds_rref:  # torch's RRef bookkeeping ends with a process's first world
         world.check_rref_world(f"metadist's call of {call.func_name}")
     # Only a call that hands RRefs to a partition inside a context needs torch's engine.
@@ -577,11 +551,6 @@ def _future(call: _Call) -> Future[Any]:
     # collect_all completes once every future has, failed ones included (at once if none).
     torch.futures.collect_all([f for f in call.futures if f is not None]).add_done_callback(finish)
     return result
-
-
-def _holds_rref(tree: Any) -> bool:
-    leaves, _ = tree_flatten(tree)
-    return any(isinstance(leaf, PyRRef) for leaf in leaves)  # what rpc.remote returns
 
 
 def _progress_bar(name: str, total: int) -> Any:
@@ -640,12 +609,8 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     for i, (_, p_args, p_kwargs) in enumerate(parts):
         if i not in call.requests:  # runs in-process: the same checks as if it were sent
             transport.check_sendable(p_args, p_kwargs)
-    if not remote:  # every partition runs here: nothing to schedule
-        for i in range(len(parts)):
-            call.run_here(i)
-        return call
     attached = any(r.attached for r in call.requests.values())
-    if sync and not attached:
+    if remote and sync and not attached:
         # A dynamic schedule hands slots out from the RPC thread the moment a partition
         # finishes, so a second one in flight hides no latency: it only commits a task to a
         # worker that may be busy with a long one (8,1,1,1,8,1,1,1 inner steps: 1.40x faster

@@ -88,7 +88,39 @@ class DimPartitioner:  # noqa: PLW1641 (unsafe_hash=True writes __hash__)
     schedule: str = "static"
 
     def __post_init__(self) -> None:
-        _check_fields(self)
+        """Refuse bad fields, naming them; make ``workers`` a tuple."""
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"dim_partitioner: dim must be an int, got {self.dim!r}")
+        if not isinstance(self.exclusive, bool):
+            raise TypeError(f"dim_partitioner: exclusive must be a bool, got {self.exclusive!r}")
+        if not isinstance(self.keepdim, bool):
+            raise TypeError(f"dim_partitioner: keepdim must be a bool, got {self.keepdim!r}")
+        if not self.keepdim and not self.exclusive:
+            raise ValueError(
+                "dim_partitioner: keepdim=False removes the split dimension, which only makes "
+                "sense with exclusive=True (one item per partition); got exclusive=False"
+            )
+        if self.workers is not None:
+            if isinstance(self.workers, (str, int)) or not isinstance(self.workers, Sequence):
+                raise TypeError(
+                    f"dim_partitioner: workers must be a sequence of worker ids or names, got "
+                    f"{self.workers!r}; wrap a single worker in a list"
+                )
+            self.workers = tuple(self.workers)
+            if not self.workers:
+                raise ValueError("dim_partitioner: workers must not be empty")
+            for worker in self.workers:
+                if isinstance(worker, bool) or not isinstance(worker, (int, str)):
+                    raise TypeError(
+                        f"dim_partitioner: workers must hold int ranks or str names, got "
+                        f"{worker!r} in {self.workers!r}"
+                    )
+        self.schedule = _check_schedule(self.schedule, "dim_partitioner")
+        if self.schedule == "dynamic" and not self.exclusive:
+            raise ValueError(
+                "dim_partitioner: schedule='dynamic' hands out one item at a time, which needs "
+                "exclusive=True (one item per partition); got exclusive=False"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -206,43 +238,6 @@ def _batch_dims(
             f"dim_partitioner(dim={dim}): empty batch: {name(first)} has size 0 along dim {dim}"
         )
     return dims, batch
-
-
-def _check_fields(part: DimPartitioner) -> None:
-    """Refuse bad fields of a new partitioner, naming them; its ``workers`` made a tuple."""
-    dim, exclusive, keepdim, workers = part.dim, part.exclusive, part.keepdim, part.workers
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim_partitioner: dim must be an int, got {dim!r}")
-    if not isinstance(exclusive, bool):
-        raise TypeError(f"dim_partitioner: exclusive must be a bool, got {exclusive!r}")
-    if not isinstance(keepdim, bool):
-        raise TypeError(f"dim_partitioner: keepdim must be a bool, got {keepdim!r}")
-    if not keepdim and not exclusive:
-        raise ValueError(
-            "dim_partitioner: keepdim=False removes the split dimension, which only makes "
-            "sense with exclusive=True (one item per partition); got exclusive=False"
-        )
-    if workers is not None:
-        if isinstance(workers, (str, int)) or not isinstance(workers, Sequence):
-            raise TypeError(
-                f"dim_partitioner: workers must be a sequence of worker ids or names, got "
-                f"{workers!r}; wrap a single worker in a list"
-            )
-        part.workers = workers = tuple(workers)
-        if not workers:
-            raise ValueError("dim_partitioner: workers must not be empty")
-        for worker in workers:
-            if isinstance(worker, bool) or not isinstance(worker, (int, str)):
-                raise TypeError(
-                    f"dim_partitioner: workers must hold int ranks or str names, got "
-                    f"{worker!r} in {workers!r}"
-                )
-    part.schedule = _check_schedule(part.schedule, "dim_partitioner")
-    if part.schedule == "dynamic" and not exclusive:
-        raise ValueError(
-            "dim_partitioner: schedule='dynamic' hands out one item at a time, which needs "
-            "exclusive=True (one item per partition); got exclusive=False"
-        )
 
 
 def dim_partitioner(
