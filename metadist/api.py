@@ -127,10 +127,8 @@ def _resolve_sendable(func: Any) -> Any:
 
 
 def _sendable(func: Any) -> Any:
-    try:
+    with contextlib.suppress(KeyError, TypeError):
         return _SENDABLE[func]
-    except (KeyError, TypeError):
-        pass
     sendable = _resolve_sendable(func)
     with contextlib.suppress(TypeError):  # not weak-referenceable: checked on every call
         _SENDABLE[func] = sendable
