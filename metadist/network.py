@@ -190,11 +190,8 @@ def _loopback_handler(url: str, **kwargs: object) -> Iterator[tuple[Store, int, 
     timeout = float(query.get("timeout", "300"))
     port = int(parsed.port or 0)
     name = port_name(port, query.get("port_from", "MASTER_PORT"))
-    if rank == 0:
-        store = _serve_store(port, world_size, timeout, name)
-    else:
-        store = _join_store(port, world_size, timeout, name)
-    yield store, rank, world_size
+    open_store = _serve_store if rank == 0 else _join_store
+    yield open_store(port, world_size, timeout, name), rank, world_size
 
 
 # The ports this process's rendezvous stores listened on (a later world cannot listen there).

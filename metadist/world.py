@@ -102,8 +102,6 @@ def _adopted_runtime() -> _Runtime | None:
     agent = _running_rpc_agent()
     if agent is None:
         return None
-    if _ADOPTED is not None and _ADOPTED[0] is agent:
-        return _ADOPTED[1]
     with _ADOPT_LOCK:
         if _ADOPTED is not None and _ADOPTED[0] is agent:
             return _ADOPTED[1]
@@ -503,11 +501,9 @@ def _watch_barrier(
     pings: dict[str, Future[Any]] = {}
     done_query: Future[frozenset[int]] | None = None
     while True:
-        try:
+        with contextlib.suppress(queue.Empty):
             arrivals.get(timeout=BARRIER_CHECK_S)  # interruptible by Ctrl-C, as _wait
             return
-        except queue.Empty:
-            pass
         arrived = arrived_members(key)
         missing = [name for name in group if name not in arrived]
         reasons: dict[str, str] = {}
