@@ -174,10 +174,6 @@ class SendPlan:
         self.structure = structure
         self.fingerprint = hashlib.blake2b(structure, digest_size=16).hexdigest()
 
-    def modules(self, root: nn.Module) -> tuple[nn.Module, ...]:
-        """The module list (``root.modules()`` order) this plan was made for."""
-        return (root, *self.submodules)
-
     def still_valid(self, modules: tuple[nn.Module, ...]) -> bool:
         """Whether every slot the plan depends on is as it was (else the structure is sent
         again); O(#slots) with C-level loops (``map``): this runs on every call."""
@@ -428,13 +424,13 @@ def plan_for(
     ``describe()`` names the argument in an error."""
     plan = _PLANS.get(module)
     if plan is not None:
-        modules = plan.modules(module)
+        modules = (module, *plan.submodules)
         if plan.still_valid(modules):
             return plan, modules
     plan = SendPlan(module, describe)
     with _PLANS_LOCK:
         _PLANS[module] = plan
-    return plan, plan.modules(module)
+    return plan, (module, *plan.submodules)
 
 
 def mark_structure_confirmed(world: object, worker: str, fingerprints: tuple[str, ...]) -> None:
@@ -486,8 +482,7 @@ class Rebuilder:
             state["training"] = bool(training >> i & 1)
             object.__setattr__(module, "__dict__", state)
             if isinstance(module, nn.RNNBase):
-                # RNNs keep a list of their weights (``_flat_weights``) that is filled when the
-                # module is made or its parameters are set; refresh it from this call's tensors.
+                # An RNN's list of its weights (``_flat_weights``), from this call's tensors.
                 module._init_flat_weights()
         if self.aliases:
             # Plain attributes referring to registered modules, parameters or buffers

@@ -484,11 +484,10 @@ def encode(
 
 
 def _submodule_refs(leaves: list[Any]) -> dict[int, Any]:
-    """A :class:`_SubmoduleRef` for each module argument (by id) that is a submodule of another
-    module argument, pointing into an outermost one (one inside no other). Runs only with two
-    module arguments or more; modules inside each other both ways (a cycle) travel apart. A
-    submodule's own plan is never made: it travels with its module (a back-reference to that
-    module in its attributes is then no unregistered module of its own)."""
+    """A :class:`_SubmoduleRef` for each module argument (by id) inside another module argument,
+    pointing into an outermost one (one inside no other); modules inside each other both ways (a
+    cycle) travel apart. A submodule's plan is never made: it travels with its module (so a
+    back-reference to that module in its attributes is no unregistered module of its own)."""
     first: dict[int, int] = {}  # each module argument's first position among the leaves
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, nn.Module):
@@ -593,8 +592,6 @@ def _decode_module(
         if p is None:
             p = unwire(sent)
             if leaves is not None:
-                # Sent detached: the worker's module holds nn.Parameter leaves, as the caller's
-                # does, and the worker differentiates with respect to them when asked.
                 p = nn.Parameter(p, requires_grad=bool(ref.requires_grad >> i & 1))
                 if ref.grads and ref.grads[i] is not None:
                     p.grad = unwire(ref.grads[i])
