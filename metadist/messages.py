@@ -15,8 +15,6 @@ import torch
 
 __all__ = ["Answer", "CallerState", "GradientItem", "GradientRequest", "Reply", "Request"]
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
 
 class CallerState(NamedTuple):
     """The caller's autograd mode and autocast state, re-created around the partition."""
@@ -35,7 +33,7 @@ class CallerState(NamedTuple):
             mode = "no_grad"
         autocast = tuple(
             (d, torch.get_autocast_dtype(d))
-            for d in _AUTOCAST_DEVICES
+            for d in ("cpu", "cuda")
             if torch.is_autocast_enabled(d)
         )
         return CallerState(grad_mode=mode, autocast=autocast)

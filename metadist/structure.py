@@ -47,11 +47,9 @@ _Spec = tuple[_Slots, _Slots, _Slots]
 
 # Where a plain attribute refers to what the tree registers: (_MODULE, _PARAMETER or _BUFFER,
 # index into the module, parameter or buffer list), or, for a list, tuple or dict, the recipes of
-# the positions (indices or keys) that hold such references, or, for a set, a _SetRecipe.
+# the positions (indices or keys) that hold such references, or, for a set, a list (_Scan.walk).
 _Recipe = tuple[Any, ...] | dict[Any, Any] | list[Any]
-_MODULE = 0
-_PARAMETER = 1
-_BUFFER = 2
+_MODULE, _PARAMETER, _BUFFER = 0, 1, 2
 _METHOD = 3  # a method bound to a registered module (a hook: register_forward_hook(self.f))
 _PARTIAL = 4  # a functools.partial of such references: (_PARTIAL, func's, args', keywords')
 
@@ -100,7 +98,6 @@ class SendPlan:
         checks: list[_SlotIdentity] = []
         # Buffer slots sharing the tensor of an earlier slot: (module, name, first module, name).
         buffer_ties: list[tuple[int, str, int, str]] = []
-        first_buffer: dict[int, tuple[int, str]] = {}
         for k, m in enumerate(modules):
             p_slots: list[tuple[str, int]] = []
             for name, p in m._parameters.items():
@@ -123,9 +120,8 @@ class SendPlan:
                     j = seen_buffers[id(b)] = len(buffers)
                     buffers.append(b)
                     buffer_reads.append((k, name))
-                    first_buffer[id(b)] = (k, name)
                 else:
-                    buffer_ties.append((k, name, *first_buffer[id(b)]))
+                    buffer_ties.append((k, name, *buffer_reads[j]))
                 b_slots.append((name, j))
             c_slots = tuple(
                 (name, -1 if c is None else index[id(c)]) for name, c in m._modules.items()
@@ -177,10 +173,6 @@ class SendPlan:
         self.buffer_reads = tuple(buffer_reads)
         self.structure = structure
         self.fingerprint = hashlib.blake2b(structure, digest_size=16).hexdigest()
-
-    def modules(self, root: nn.Module) -> tuple[nn.Module, ...]:
-        """The module list (``root.modules()`` order) this plan was made for."""
-        return (root, *self.submodules)
 
     def still_valid(self, modules: tuple[nn.Module, ...]) -> bool:
         """Whether every slot the plan depends on is as it was (else the structure is sent
@@ -432,13 +424,13 @@ def plan_for(
     ``describe()`` names the argument in an error."""
     plan = _PLANS.get(module)
     if plan is not None:
-        modules = plan.modules(module)
+        modules = (module, *plan.submodules)
         if plan.still_valid(modules):
             return plan, modules
     plan = SendPlan(module, describe)
     with _PLANS_LOCK:
         _PLANS[module] = plan
-    return plan, plan.modules(module)
+    return plan, (module, *plan.submodules)
 
 
 def mark_structure_confirmed(world: object, worker: str, fingerprints: tuple[str, ...]) -> None:
@@ -477,10 +469,7 @@ class Rebuilder:
         self.aliases = aliases
 
     def build(
-        self,
-        params: list[torch.Tensor],
-        buffers: list[torch.Tensor | None],
-        training: int,
+        self, params: list[torch.Tensor], buffers: list[torch.Tensor | None], training: int
     ) -> nn.Module:
         fresh = [cls.__new__(cls) for cls in self.classes]
         for i, (module, base, (p_slots, b_slots, c_slots)) in enumerate(
@@ -493,8 +482,7 @@ class Rebuilder:
             state["training"] = bool(training >> i & 1)
             object.__setattr__(module, "__dict__", state)
             if isinstance(module, nn.RNNBase):
-                # RNNs keep a list of their weights (``_flat_weights``) that is filled when the
-                # module is made or its parameters are set; refresh it from this call's tensors.
+                # An RNN's list of its weights (``_flat_weights``), from this call's tensors.
                 module._init_flat_weights()
         if self.aliases:
             # Plain attributes referring to registered modules, parameters or buffers

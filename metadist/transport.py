@@ -42,10 +42,9 @@ from metadist._pytree import (
     tree_flatten_with_path,
     tree_unflatten,
 )
-from metadist.structure import STRUCTURE_CACHE_SIZE, clear_module_cache, invalidate_module_cache
+from metadist.structure import clear_module_cache, invalidate_module_cache
 
 __all__ = [
-    "STRUCTURE_CACHE_SIZE",
     "CallMemo",
     "check_sendable",
     "clear_module_cache",
@@ -346,11 +345,6 @@ def _transforming() -> bool:
     return torch._C._functorch.maybe_current_level() is not None or forward_ad._current_level >= 0
 
 
-def _special(t: torch.Tensor) -> bool:
-    """Whether a tensor needs more than RPC's tensor channel (or cannot travel at all)."""
-    return t.is_meta or (_transforming() and _why_not(t) is not None)
-
-
 def _needs_encoding(obj: Any, dtype: torch.dtype | None, attached: bool) -> bool:
     """Whether ``obj`` holds a module, a parameter, a tensor that requires grad but travels
     detached, a tensor RPC cannot carry as it is, (with compression) a float tensor, or an
@@ -360,18 +354,15 @@ def _needs_encoding(obj: Any, dtype: torch.dtype | None, attached: bool) -> bool
     walk decides.
     """
     if isinstance(obj, torch.Tensor):
-        if isinstance(obj, nn.Parameter) or (obj.requires_grad and not attached) or _special(obj):
+        if isinstance(obj, nn.Parameter) or (obj.requires_grad and not attached) or obj.is_meta:
+            return True
+        if _transforming() and _why_not(obj) is not None:
             return True
         return dtype is not None and obj.is_floating_point() and obj.dtype != dtype
     kind = type(obj)
     # Explicit loops: this runs on every call and is faster than any() over a generator.
-    if kind is tuple or kind is list:
-        for item in obj:  # noqa: SIM110
-            if _needs_encoding(item, dtype, attached):
-                return True
-        return False
-    if kind is dict:
-        for item in obj.values():  # noqa: SIM110
+    if kind is tuple or kind is list or kind is dict:
+        for item in obj.values() if kind is dict else obj:
             if _needs_encoding(item, dtype, attached):
                 return True
         return False
@@ -388,13 +379,10 @@ def is_plain(obj: Any) -> bool:
 
 
 def refuse_hidden_grad(obj: Any, name: str) -> None:
-    """Raise if ``obj`` (named ``name``), a leaf pytree cannot look into, holds a tensor that
-    requires grad.
-
-    RPC would pickle such a tensor detached, so its gradient (and its ``requires_grad`` flag)
-    would be lost without a word. The scan pickles ``obj`` with every tensor replaced by a
-    reference, so no tensor data is copied.
-    """
+    """Raise ``TypeError`` if ``obj`` (named ``name``), a leaf pytree cannot look into, cannot be
+    pickled or holds a tensor that requires grad (RPC would send it detached, its gradient lost
+    without a word). The scan pickles ``obj`` with every tensor replaced by a reference, so no
+    tensor data is copied."""
     finder = _TensorFinder(io.BytesIO())
     try:
         finder.dump(obj)
@@ -496,11 +484,10 @@ def encode(
 
 
 def _submodule_refs(leaves: list[Any]) -> dict[int, Any]:
-    """A :class:`_SubmoduleRef` for each module argument (by id) that is a submodule of another
-    module argument, pointing into an outermost one (one inside no other). Runs only with two
-    module arguments or more; modules inside each other both ways (a cycle) travel apart. A
-    submodule's own plan is never made: it travels with its module (a back-reference to that
-    module in its attributes is then no unregistered module of its own)."""
+    """A :class:`_SubmoduleRef` for each module argument (by id) inside another module argument,
+    pointing into an outermost one (one inside no other); modules inside each other both ways (a
+    cycle) travel apart. A submodule's plan is never made: it travels with its module (so a
+    back-reference to that module in its attributes is no unregistered module of its own)."""
     first: dict[int, int] = {}  # each module argument's first position among the leaves
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, nn.Module):
@@ -605,8 +592,6 @@ def _decode_module(
         if p is None:
             p = unwire(sent)
             if leaves is not None:
-                # Sent detached: the worker's module holds nn.Parameter leaves, as the caller's
-                # does, and the worker differentiates with respect to them when asked.
                 p = nn.Parameter(p, requires_grad=bool(ref.requires_grad >> i & 1))
                 if ref.grads and ref.grads[i] is not None:
                     p.grad = unwire(ref.grads[i])
