@@ -137,9 +137,7 @@ class RemoteGradients:
     def _wire(self, grad: torch.Tensor | None) -> Any:
         return None if grad is None else transport.wire(grad, self.compression)
 
-    def collect(
-        self, number: int, inputs: tuple[torch.Tensor, ...], create_graph: bool
-    ) -> list[Any]:
+    def collect(self, number: int, inputs: tuple[torch.Tensor, ...]) -> list[Any]:
         """Wait for pass ``number``'s answers; return each argument's gradient (or ``None``)."""
         totals: list[torch.Tensor | None] = [None] * len(inputs)
         requests = self.sent.pop(number)
@@ -175,8 +173,7 @@ class RemoteGradients:
             ) from error
         if isinstance(value, RemoteFailure):
             raise value.to_exception(-1, 0, "backward of a remote call")
-        answers: list[Answer] = value
-        return answers
+        return value
 
 
 def _second_order(
@@ -226,7 +223,7 @@ class _Arguments(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, number: torch.Tensor) -> Any:
         state: RemoteGradients = ctx.state
-        return (None, *state.collect(int(number), ctx.inputs, torch.is_grad_enabled()))
+        return (None, *state.collect(int(number), ctx.inputs))
 
 
 class _Results(torch.autograd.Function):
