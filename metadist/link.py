@@ -137,9 +137,7 @@ class RemoteGradients:
     def _wire(self, grad: torch.Tensor | None) -> Any:
         return None if grad is None else transport.wire(grad, self.compression)
 
-    def collect(
-        self, number: int, inputs: tuple[torch.Tensor, ...], create_graph: bool
-    ) -> list[Any]:
+    def collect(self, number: int, inputs: tuple[torch.Tensor, ...]) -> list[Any]:
         """Wait for pass ``number``'s answers; return each argument's gradient (or ``None``)."""
         totals: list[torch.Tensor | None] = [None] * len(inputs)
         requests = self.sent.pop(number)
@@ -175,8 +173,7 @@ class RemoteGradients:
             ) from error
         if isinstance(value, RemoteFailure):
             raise value.to_exception(-1, 0, "backward of a remote call")
-        answers: list[Answer] = value
-        return answers
+        return value
 
 
 def _second_order(
@@ -202,22 +199,10 @@ def _second_order(
     graph = Graph(item.graph.worker, item.answer_graph, list(range(len(sources))), len(kept), None)
     answers.graphs.append(graph)
     token = _Arguments.apply(answers, *sources)
-    result = list(found)
     outputs = [t for i in kept if (t := found[i]) is not None]  # none is None: see _vjp_one
     for i, t in zip(kept, _linked(answers, token, outputs), strict=True):
-        result[i] = t
-    return result
-
-
-def _refuse_batched(grads: Sequence[torch.Tensor | None]) -> None:
-    if any(g is not None and transport.storageless(g) for g in grads):
-        raise RuntimeError(
-            "a remote call's result is differentiated inside a torch.func transform (vmap over "
-            "the backward pass: torch.autograd.functional.jacobian(..., vectorize=True), "
-            "torch.autograd.grad(..., is_grads_batched=True), torch.func.jacrev, ...): its "
-            "gradients cannot travel to the workers. Use vectorize=False / is_grads_batched=False "
-            "(one backward pass per row)"
-        )
+        found[i] = t
+    return found
 
 
 def _release_graphs(state: RemoteGradients) -> None:
@@ -238,7 +223,7 @@ class _Arguments(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, number: torch.Tensor) -> Any:
         state: RemoteGradients = ctx.state
-        return (None, *state.collect(int(number), ctx.inputs, torch.is_grad_enabled()))
+        return (None, *state.collect(int(number), ctx.inputs))
 
 
 class _Results(torch.autograd.Function):
@@ -255,7 +240,14 @@ class _Results(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        _refuse_batched(grads)
+        if any(g is not None and transport.storageless(g) for g in grads):
+            raise RuntimeError(
+                "a remote call's result is differentiated inside a torch.func transform (vmap "
+                "over the backward pass: torch.autograd.functional.jacobian(..., vectorize=True), "
+                "torch.autograd.grad(..., is_grads_batched=True), torch.func.jacrev, ...): its "
+                "gradients cannot travel to the workers. Use vectorize=False / "
+                "is_grads_batched=False (one backward pass per row)"
+            )
         state: RemoteGradients = ctx.state
         retain = state.retain or any(
             _retained(probe) for probe, g in zip(state.probes, grads, strict=True) if g is not None
@@ -342,11 +334,6 @@ def _aliases(outputs: list[torch.Tensor]) -> dict[int, list[int]]:
     }
 
 
-def _to_link(held: _Held) -> list[torch.Tensor]:
-    """A held result's tensors to link, in the order of its kept graph's outputs."""
-    return [*(held.flat[i] for i in held.outputs), *held.grads]
-
-
 def result_of(reply: Reply) -> Any:
     """The result of a reply whose graph was not kept: its tensors that required grad are
     fresh leaves, as a leaf made inside a local call would be."""
@@ -364,8 +351,7 @@ class _Held(NamedTuple):
 
     flat: list[Any]
     spec: Any
-    outputs: tuple[int, ...]
-    grads: list[torch.Tensor]
+    to_link: list[torch.Tensor]  # in the order of its kept graph's outputs
 
 
 class _GradState(NamedTuple):
@@ -434,10 +420,9 @@ class Link:
         )
         for i in reply.fresh:
             flat[i].requires_grad_(True)
-        key = self.keys[index]
-        outputs = len(reply.outputs) + len(with_graph)
-        self.state.graphs.append(Graph(worker, key, positions, outputs, record))
-        held = _Held(flat, spec, reply.outputs, with_graph)
+        held = _Held(flat, spec, [*(flat[i] for i in reply.outputs), *with_graph])
+        graph = Graph(worker, self.keys[index], positions, len(held.to_link), record)
+        self.state.graphs.append(graph)
         self._pending.append(held)
         return held
 
@@ -447,13 +432,13 @@ class Link:
         if self._pending:
             self.start()
             assert self.token is not None
-            outputs = [t for held in self._pending for t in _to_link(held)]
+            outputs = [t for held in self._pending for t in held.to_link]
             with torch.enable_grad():
                 linked = iter(_linked(self.state, self.token, outputs))
             made: dict[int, torch.Tensor] = {}
             for held in self._pending:
                 # A tensor in two places of a result arrived as one object: both get its output.
-                made |= {id(t): next(linked) for t in _to_link(held)}
+                made |= {id(t): next(linked) for t in held.to_link}
                 for j, leaf in enumerate(held.flat):
                     held.flat[j] = made.get(id(leaf), leaf)
             self._written = [(p, k, made.get(id(g), g), i) for p, k, g, i in self._written]
@@ -514,15 +499,12 @@ class Link:
     def abandon(self, lost: Sequence[tuple[str, int]]) -> None:
         """The call failed: release its kept graphs and those of partitions ``(worker,
         index)`` whose fate is unknown (timed out, failed in RPC)."""
-        graphs = list(self.state.graphs)
+        graphs = [(g.worker, g.key) for g in self.state.graphs]
         self.state.graphs.clear()  # the list the release marker holds: released here, once
         self._pending = []
         self._written = []
-        release(
-            self.state.world_token,
-            [(p.worker, p.key) for p in graphs]
-            + [(w, self.keys[i]) for w, i in lost if i in self.keys],
-        )
+        lost_graphs = [(w, self.keys[i]) for w, i in lost if i in self.keys]
+        release(self.state.world_token, graphs + lost_graphs)
 
 
 def _go_through(through: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

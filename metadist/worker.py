@@ -29,12 +29,7 @@ from metadist._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_
 from metadist.errors import RemoteFailure
 from metadist.messages import Answer, GradientItem, GradientRequest, Reply, Request
 
-__all__ = [
-    "current_context_id",
-    "kept_graphs",
-    "run_partition",
-    "vjp",
-]
+__all__ = ["current_context_id", "kept_graphs", "run_partition", "vjp"]
 
 #: Where a ``parallelize`` wrapper keeps the function it wraps (workers run that one).
 ORIGINAL = "__metadist_original__"
@@ -198,9 +193,8 @@ def _reply(
                 w = sent[id(t)] = transport.wire(t.detach(), request.compression)
             wired = wired or not isinstance(w, torch.Tensor)
             flat[i] = w
-    value = tree_unflatten(flat, spec)
     return Reply(
-        value=value,
+        value=tree_unflatten(flat, spec),
         outputs=outputs,
         fresh=fresh,
         kept=kept,
@@ -290,9 +284,8 @@ def _run_partition(request: Request) -> Any:
             request.state.enter(stack)
             if request.in_context and not request.attached:
                 stack.enter_context(_watch_rpc())
-            func = request.func
             try:
-                result = getattr(func, ORIGINAL, func)(*args, **kwargs)
+                result = getattr(request.func, ORIGINAL, request.func)(*args, **kwargs)
             finally:
                 for guard in guards:  # see transport._hooks_skipped
                     guard.remove()
