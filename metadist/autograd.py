@@ -200,7 +200,10 @@ def backward(
     targets = None if inputs is None else _leaves(inputs, "inputs")
     with torch.no_grad():
         for t, delta in _pass(context_id, roots, targets, retain_graph).items():
-            t.grad = delta if t.grad is None else t.grad.add_(delta)
+            if t.grad is None:
+                t.grad = delta
+            else:
+                t.grad += delta
             # What torch's AccumulateGrad runs after it wrote .grad (an optimizer step in the
             # backward, say); torch keeps them there, with no public way to run them.
             for hook in (t._post_accumulate_grad_hooks or {}).values():
