@@ -651,6 +651,25 @@ def no_grad_calls_keep_nothing(world_size: int) -> None:
     assert md.remote_sync_call(kept_graphs, partitioner=1)[0] == before
 
 
+def inference_mode_calls_give_local_values(world_size: int) -> None:
+    # docs/autograd.md: the same values; the caller's own partition returns inference tensors
+    # as locally, a worker's normal ones (torch does not carry the flag over the wire).
+    model = nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+    before = md.remote_sync_call(kept_graphs, partitioner=1)[0]
+    with torch.inference_mode():
+        local = square_mean(model, x)
+        (own,) = md.remote_sync_call(square_mean, args=(model, x), partitioner=0)
+        (remote,) = md.remote_sync_call(square_mean, args=(model, x), partitioner=1)
+    assert local.is_inference()
+    assert own.is_inference()
+    assert not remote.is_inference()
+    assert not remote.requires_grad
+    assert_close(own, local, "own partition under inference_mode")
+    assert_close(remote, local, "worker partition under inference_mode")
+    assert md.remote_sync_call(kept_graphs, partitioner=1)[0] == before
+
+
 # ------------------------------------------------------------------------------------------
 # The same guarantees and torch's rules inside a distributed autograd context, the overlap and
 # reproducibility of the plain path, chained and partly used results
@@ -1006,6 +1025,7 @@ SCENARIOS: list[Callable[[int], Any]] = [
     maml_with_a_distributed_inner_loop,
     compressed_calls_are_close,
     no_grad_calls_keep_nothing,
+    inference_mode_calls_give_local_values,
     mixed_partitions_equal_local,
     remote_backward_overlaps_local_backward,
     two_worker_gradients_are_reproducible,
