@@ -113,12 +113,17 @@ class RemoteFailure:
         return cls(kind.__module__, kind.__qualname__, str(error), trace, worker, stage)
 
     def to_exception(self, index: int, count: int, func_name: str) -> BaseException:
-        """The exception to raise on the caller for partition ``index`` of ``count``."""
+        """The exception to raise on the caller for partition ``index`` of ``count`` (``count``
+        0: for a gradient request, where ``func_name`` says what ran)."""
         type_name = f"{self.type_module}.{self.type_qualname}"
-        message = (
-            f"{self.message}\n\n[metadist] {func_name}() raised {type_name} on worker "
-            f"{self.worker!r} (partition {index} of {count}). Remote traceback:\n{self.trace}"
-        )
+        if count:
+            what = (
+                f"{func_name}() raised {type_name} on worker {self.worker!r} (partition {index} "
+                f"of {count})"
+            )
+        else:
+            what = f"{func_name} raised {type_name} on worker {self.worker!r}"
+        message = f"{self.message}\n\n[metadist] {what}. Remote traceback:\n{self.trace}"
         exc: BaseException = RemoteError(message)
         exc_type = resolve_qualified_name(self.type_module, self.type_qualname)
         if isinstance(exc_type, type) and issubclass(exc_type, Exception):

@@ -121,6 +121,7 @@ class RemoteGradients:
                         graph=item.graph.key,
                         grads=[self._wire(g) for g in item.grads],
                         answer_graph=item.answer_graph,
+                        with_graph=tuple(g is not None and g.requires_grad for g in item.grads),
                     )
                     for item in items
                 ],
@@ -172,7 +173,7 @@ class RemoteGradients:
                 worker_name=worker,
             ) from error
         if isinstance(value, RemoteFailure):
-            raise value.to_exception(-1, 0, "backward of a remote call")
+            raise value.to_exception(-1, 0, "the backward of a remote call")
         return value
 
 

@@ -83,11 +83,14 @@ class Reply(NamedTuple):
 
 class GradientItem(NamedTuple):
     """One kept graph in a gradient request: its results' gradients (wired, ``None`` where a
-    result got none), and with ``create_graph`` the key to keep the answer's graph under."""
+    result got none), and with ``create_graph`` the key to keep the answer's graph under and
+    which gradients have a graph on the caller (the answer is differentiated with respect to
+    those)."""
 
     graph: int
     grads: list[Any]
     answer_graph: int | None
+    with_graph: tuple[bool, ...]
 
 
 class GradientRequest(NamedTuple):

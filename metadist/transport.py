@@ -112,6 +112,16 @@ class _Meta(_Wire):
 
 
 @dataclasses.dataclass(slots=True)
+class _Coalesced(_Wire):
+    """A coalesced sparse COO tensor: RPC's tensor channel drops the flag, and torch then
+    refuses ``indices()`` on the copy."""
+
+    indices: torch.Tensor
+    values: Any  # wired
+    size: tuple[int, ...]
+
+
+@dataclasses.dataclass(slots=True)
 class _GradLeaf(_Wire):
     """A tensor that requires grad, travelling detached; the worker makes it a leaf that
     requires grad again (also under the caller's ``torch.no_grad()``, for an inner loop that
@@ -184,6 +194,8 @@ def wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> Any:
     """``tensor`` as it travels: a meta tensor's description, or cast to the wire ``dtype``."""
     if tensor.is_meta:
         return _Meta(tuple(tensor.shape), tensor.stride(), tensor.dtype)
+    if tensor.is_sparse and tensor.is_coalesced():
+        return _Coalesced(tensor.indices(), wire(tensor.values(), dtype), tuple(tensor.shape))
     if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
         return _Compressed(tensor.to(dtype), tensor.dtype)
     return tensor
@@ -210,6 +222,14 @@ def unwire(item: Any) -> Any:
         return item.tensor.to(item.dtype)
     if isinstance(item, _Meta):
         return torch.empty_strided(item.size, item.stride, dtype=item.dtype, device="meta")
+    if isinstance(item, _Coalesced):
+        return torch.sparse_coo_tensor(
+            item.indices,
+            unwire(item.values),
+            item.size,
+            is_coalesced=True,
+            check_invariants=False,  # the sender's tensor was coalesced, so valid
+        )
     return item
 
 
@@ -354,7 +374,9 @@ def _needs_encoding(obj: Any, dtype: torch.dtype | None, attached: bool) -> bool
     walk decides.
     """
     if isinstance(obj, torch.Tensor):
-        if isinstance(obj, nn.Parameter) or (obj.requires_grad and not attached) or obj.is_meta:
+        if isinstance(obj, nn.Parameter) or (obj.requires_grad and not attached):
+            return True
+        if obj.is_meta or obj.is_sparse:
             return True
         if _transforming() and _why_not(obj) is not None:
             return True
@@ -688,6 +710,8 @@ def wire_bytes(tree: Any) -> int:
             item = item.tensor
         if isinstance(item, torch.Tensor):
             total += item.numel() * item.element_size()
+        elif isinstance(item, _Coalesced):
+            total += wire_bytes([item.indices, item.values])
         elif isinstance(item, _ModuleRef):
             total += wire_bytes([item.params, item.buffers])
     return total

@@ -350,20 +350,30 @@ def _vjp_one(
     partition's, so that the caller can differentiate the answer with respect to them too."""
     leaves, outputs = graph
     grads = [None if g is None else transport.unwire(g) for g in item.grads]
-    reached = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
     if request.create_graph:
-        reached = [(o, g.detach().requires_grad_(True)) for o, g in reached]
+        # Only a gradient with a graph on the caller: the default ones of torch.autograd.grad
+        # stay constants, and a gradient computed from them alone requires no grad, as locally.
+        grads = [
+            None if g is None else g.detach().requires_grad_(with_graph)
+            for g, with_graph in zip(grads, item.with_graph, strict=True)
+        ]
+    reached = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
     roots, root_grads = _roots(reached)
-    found: list[torch.Tensor | None] = list(
-        torch.autograd.grad(
+    # A leaf the function froze (requires_grad_(False)) gets no gradient, as torch's
+    # AccumulateGrad gives it none; asking torch for one would raise.
+    wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+    found: list[torch.Tensor | None] = [None] * len(leaves)
+    if wanted:
+        computed = torch.autograd.grad(
             roots,
-            leaves,
+            [leaves[i] for i in wanted],
             root_grads,
             retain_graph=request.retain,
             create_graph=request.create_graph,
             allow_unused=True,
         )
-    )
+        for i, g in zip(wanted, computed, strict=True):
+            found[i] = g
     kept: tuple[int, ...] = ()
     if request.create_graph:
         kept = tuple(i for i, g in enumerate(found) if g is not None and g.requires_grad)
