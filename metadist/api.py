@@ -109,8 +109,11 @@ def _resolve_sendable(func: Any) -> Any:
             # The name refers to this object (for a parallelize wrapper whose original kept the
             # name, send the original; the worker runs it directly).
             return found
-        if found is not None and getattr(found, _ORIGINAL, None) is func:
-            return found  # the name holds our wrapper: send it, the worker unwraps it
+        unwrapped = getattr(found, _ORIGINAL, None)
+        if unwrapped is not None and (unwrapped is func or unwrapped is original):
+            # The name holds our wrapper, or a decorator's wrapper of it (functools.wraps copies
+            # the attribute): send it, the worker unwraps it.
+            return found
         raise _not_sendable(
             func,
             f"the name {func.__module__}.{func.__qualname__} does not refer to this function "
@@ -483,16 +486,20 @@ class _Call:
             return values
         results = PartitionResults(values)
         results.sizes = self.sizes  # checked once, by _partitions
-        if self.state is None or CallerState.here() == self.state:  # the caller's thread
-            return self.reducer(results)
-        with contextlib.ExitStack() as stack:  # an RPC thread, for an asynchronous call
-            self.state.enter(stack)
+        with contextlib.ExitStack() as stack:
+            if self.state is not None and CallerState.here() != self.state:
+                self.state.enter(stack)  # an RPC thread, for an asynchronous call
+            # The reduction stands for the function's own (its .mean() over the whole batch in
+            # one process): results it made differentiable under torch.enable_grad() stay so,
+            # whatever the caller's grad mode; results that require no grad are unaffected.
+            stack.enter_context(torch.enable_grad())
             return self.reducer(results)
 
 
-def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
+def _encode(call: _Call, remote: list[int], dynamic: bool, copy: bool) -> None:
     """Encode every partition that may travel before sending anything (bad input fails with no
-    RPC sent), noting their arguments that require grad in the call's gradient link."""
+    RPC sent), noting their arguments that require grad in the call's gradient link; ``copy``
+    their tensors (an asynchronous call: see :func:`metadist.transport.snapshot`)."""
     call.world_token = world.world_token()
     call.state = state = CallerState.here()
     call.in_context = remote_worker.current_context_id() is not None
@@ -506,6 +513,7 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
         call.world_token, call.compression, get_worker_id(call.own) << 40, call.timeout
     )
     memo = transport.CallMemo()
+    copies: dict[int, Any] = {}
     for i in remote:
         name, p_args, p_kwargs = call.parts[i]
         e_args, e_kwargs, decode, call.new_structures[i], sources = transport.encode(
@@ -517,6 +525,9 @@ def _encode(call: _Call, remote: list[int], dynamic: bool) -> None:
             memo=memo,
             attached=attached,
         )
+        if copy and not attached:  # attached, distributed autograd must record the originals
+            e_args = transport.snapshot(e_args, copies)
+            e_kwargs = transport.snapshot(e_kwargs, copies)
         call.requests[i] = Request(
             func=call.func,
             args=e_args,
@@ -603,7 +614,7 @@ def _start(  # noqa: PLR0917 - internal; mirrors the public signature
     dynamic = sync and schedule == "dynamic" and len(parts) > 1
     remote = [i for i, (name, _, _) in enumerate(parts) if dynamic or name != own]
     if remote:
-        _encode(call, remote, dynamic)
+        _encode(call, remote, dynamic, copy=not sync)
     for i, (_, p_args, p_kwargs) in enumerate(parts):
         if i not in call.requests:  # runs in-process: the same checks as if it were sent
             transport.check_sendable(p_args, p_kwargs)

@@ -56,7 +56,7 @@ _PARTIAL = 4  # a functools.partial of such references: (_PARTIAL, func's, args'
 # Per module, every slot that decides the plan's shape, in order: parameter names and the object
 # in each slot (identity also decides which slots share a tensor), buffer names and which are
 # None (buffers are read by name per call, so replacing one needs no new plan), child names and
-# the child in each slot.
+# the child in each slot, and the module's hooks (their handles' ids: see _hook_ids).
 _SlotIdentity = tuple[
     tuple[str, ...],
     tuple[nn.Parameter | None, ...],
@@ -64,7 +64,23 @@ _SlotIdentity = tuple[
     tuple[bool, ...],
     tuple[str, ...],
     tuple[nn.Module | None, ...],
+    tuple[int, ...],
 ]
+
+
+def _hook_ids(m: nn.Module) -> tuple[int, ...]:
+    """The ids of the module's forward and backward hooks: a hook registered or removed since the
+    plan was made changes them (each registration takes a new id), and the structure, which
+    carries the hooks, is sent again."""
+    return (
+        *m._forward_pre_hooks,
+        -1,
+        *m._forward_hooks,
+        -1,
+        *m._backward_pre_hooks,
+        -1,
+        *m._backward_hooks,
+    )
 
 
 class SendPlan:
@@ -135,6 +151,7 @@ class SendPlan:
                     tuple(b is None for b in m._buffers.values()),
                     tuple(m._modules),
                     tuple(m._modules.values()),
+                    _hook_ids(m),
                 )
             )
         # Everything the tree registers, by identity; a parameter also registered as a buffer
@@ -177,7 +194,7 @@ class SendPlan:
     def still_valid(self, modules: tuple[nn.Module, ...]) -> bool:
         """Whether every slot the plan depends on is as it was (else the structure is sent
         again); O(#slots) with C-level loops (``map``): this runs on every call."""
-        for m, (p_names, p_objs, b_names, b_none, c_names, c_objs) in zip(
+        for m, (p_names, p_objs, b_names, b_none, c_names, c_objs, hooks) in zip(
             modules, self.checks, strict=True
         ):
             buffers = m._buffers
@@ -186,6 +203,7 @@ class SendPlan:
                 and _same(m._modules, c_names, c_objs)
                 and tuple(buffers) == b_names
                 and tuple(map(is_, buffers.values(), repeat(None))) == b_none
+                and _hook_ids(m) == hooks
             ):
                 return False
         return all(

@@ -54,6 +54,7 @@ __all__ = [
     "is_plain",
     "refuse_hidden_grad",
     "resolve_compression",
+    "snapshot",
     "storageless",
     "unchanged",
     "unwire",
@@ -210,10 +211,19 @@ def unchanged(now: torch.Tensor, before: torch.Tensor) -> bool:
         return True
     if now.is_sparse:
         now, before = now.coalesce(), before.coalesce()
-        return torch.equal(now.indices(), before.indices()) and torch.equal(
+        return torch.equal(now.indices(), before.indices()) and _same_values(
             now.values(), before.values()
         )
-    return torch.equal(now.to_dense(), before.to_dense())
+    return _same_values(now.to_dense(), before.to_dense())
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, with NaN equal to NaN (a ``.grad`` that overflowed stays unchanged)."""
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
 
 
 def unwire(item: Any) -> Any:
@@ -503,6 +513,28 @@ def encode(
             refuse_hidden_grad(leaf, f"argument {_name((args, kwargs, i))}")
     new_args, new_kwargs = rebuild(leaves)
     return new_args, new_kwargs, True, tuple(new_structures), list(sources.values())
+
+
+def snapshot(tree: Any, copies: dict[int, Any]) -> Any:
+    """``tree`` (encoded arguments) with copies of its tensors, one per tensor and wire object
+    (``copies``, shared by a call's partitions, keeps identity): an asynchronous call returns
+    before RPC has read the tensors, and the caller may change them in place meanwhile."""
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([_copy(leaf, copies) for leaf in leaves], spec)
+
+
+def _copy(obj: Any, copies: dict[int, Any]) -> Any:
+    if not isinstance(obj, (torch.Tensor, _Wire)):
+        return obj
+    copied = copies.get(id(obj))
+    if copied is None:
+        if isinstance(obj, torch.Tensor):
+            copied = obj.clone()
+        else:
+            names: tuple[str, ...] = obj.__slots__  # the fields, in order (see _Wire)
+            copied = type(obj)(*(snapshot(getattr(obj, name), copies) for name in names))
+        copies[id(obj)] = copied
+    return copied
 
 
 def _submodule_refs(leaves: list[Any]) -> dict[int, Any]:

@@ -2259,6 +2259,103 @@ def documented_differences_are_as_documented(world_size: int) -> None:
         assert raised.value.code == 0, where
 
 
+def wx_sum(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (w * x).sum()
+
+
+def wx_sum_kw(*, pair: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+    w, x = pair["wx"]
+    return (w * x).sum()
+
+
+def async_calls_read_arguments_when_called(world_size: int) -> None:
+    # An asynchronous call returns before RPC has read the tensors: changing them in place
+    # right after must not reach the partition, as it does not in one process.
+    torch.manual_seed(7)
+    xb = torch.randn(4, 3)
+    for where in (0, 1):
+        for _ in range(10):
+            w, x = torch.ones(3), torch.ones(3)
+            future = md.remote_async_call(wx_sum, args=(w, x), partitioner=where)
+            x.add_(10)
+            assert future.wait()[0].item() == 3.0, where
+            w, x = torch.ones(3), torch.ones(3)
+            pair = {"wx": [w, x]}
+            future = md.remote_async_call(wx_sum_kw, kwargs={"pair": pair}, partitioner=where)
+            x.add_(10)
+            assert future.wait()[0].item() == 3.0, where
+            # A model stepped in place (an optimizer step) after the call.
+            model = nn.Linear(3, 1)
+            expected = square_mean(model, xb).detach()
+            future = md.remote_async_call(square_mean, args=(model, xb), partitioner=where)
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            assert_close(future.wait()[0].detach(), expected, f"stepped model, {where}")
+
+
+@torch.no_grad()  # a decorator over parallelize, with functools.wraps: the worker runs the function
+@parallelize(partitioner=dim_partitioner(0), reducer=md.sum_reducer)
+def no_grad_sum(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum()
+
+
+@parallelize(partitioner=dim_partitioner(0), reducer=mean_reducer)
+def enable_grad_mean(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():
+        return model(x).pow(2).mean()
+
+
+def decorators_and_reducers_follow_one_process(world_size: int) -> None:
+    torch.manual_seed(8)
+    x = torch.randn(6, 3)
+    assert_close(no_grad_sum(x), (x * 2).sum(), "decorated parallelize")
+    # Under the caller's no_grad, a result the function makes under enable_grad stays
+    # differentiable through the reduction, as the function's own mean over the whole batch.
+    model = nn.Linear(3, 1)
+    local = copy.deepcopy(model)
+    with torch.no_grad():
+        expected = enable_grad_mean.__wrapped__(local, x)  # type: ignore[attr-defined]
+        out = enable_grad_mean(model, x)
+    assert out.requires_grad
+    assert_close(out, expected, "reduced value")
+    out.backward()
+    expected.backward()
+    same_grads(model, local, "reduced gradient")
+
+
+def nan_in_a_grad_is_not_a_change(world_size: int) -> None:
+    # An overflowed .grad (NaN) the partition leaves alone is not one it changed.
+    nan = float("nan")
+    for form in ("plain", "context"):
+        for where in (0, 1):
+            w = torch.ones(4, requires_grad=True)
+            w.grad = torch.tensor([nan, 0.0, 0.0, 0.0])
+            x = torch.arange(4.0)
+            _in_form(form, lambda w=w, x=x, where=where: _call_loss(wx_sum, (w, x), where))
+            assert w.grad is not None
+            assert w.grad[0].isnan(), (form, where)
+            assert w.grad[1:].tolist() == [1.0, 2.0, 3.0], (form, where)
+
+
+def halve_output(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * 0.5
+
+
+def module_hooks_added_or_removed_are_seen(world_size: int) -> None:
+    torch.manual_seed(9)
+    x = torch.randn(4, 3)
+    for where in (0, 1):
+        model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+        (plain,) = md.remote_sync_call(run_module, args=(model, x), partitioner=where)
+        handle = model[0].register_forward_hook(halve_output)
+        (hooked,) = md.remote_sync_call(run_module, args=(model, x), partitioner=where)
+        assert_close(hooked, run_module(model, x), f"hook added, {where}")
+        assert not torch.allclose(hooked, plain), where
+        handle.remove()
+        (again,) = md.remote_sync_call(run_module, args=(model, x), partitioner=where)
+        assert_close(again, plain, f"hook removed, {where}")
+
+
 EDGES: list[Callable[[int], Any]] = [
     torch_func_transforms_are_refused,
     forward_mode_dual_tensors_are_refused,
@@ -2282,6 +2379,10 @@ EDGES: list[Callable[[int], Any]] = [
     create_graph_through_a_call_requires_grad_as_locally,
     coalesced_sparse_tensors_stay_coalesced,
     documented_differences_are_as_documented,
+    async_calls_read_arguments_when_called,
+    decorators_and_reducers_follow_one_process,
+    nan_in_a_grad_is_not_a_change,
+    module_hooks_added_or_removed_are_seen,
 ]
 
 
