@@ -486,13 +486,20 @@ class _Call:
             return values
         results = PartitionResults(values)
         results.sizes = self.sizes  # checked once, by _partitions
-        with contextlib.ExitStack() as stack:
-            if self.state is not None and CallerState.here() != self.state:
-                self.state.enter(stack)  # an RPC thread, for an asynchronous call
-            # The reduction stands for the function's own (its .mean() over the whole batch in
-            # one process): results it made differentiable under torch.enable_grad() stay so,
-            # whatever the caller's grad mode; results that require no grad are unaffected.
-            stack.enter_context(torch.enable_grad())
+        if self.state is None or CallerState.here() == self.state:  # the caller's thread
+            return self._reduce(results)
+        with contextlib.ExitStack() as stack:  # an RPC thread, for an asynchronous call
+            self.state.enter(stack)
+            return self._reduce(results)
+
+    def _reduce(self, results: PartitionResults) -> Any:
+        """The reducer's value. The reduction stands for the function's own (its mean over the
+        whole batch in one process): results it made differentiable under
+        ``torch.enable_grad()`` stay so under the caller's ``torch.no_grad()``."""
+        assert self.reducer is not None
+        if torch.is_grad_enabled():
+            return self.reducer(results)
+        with torch.enable_grad():
             return self.reducer(results)
 
 

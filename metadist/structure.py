@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "STRUCTURE_CACHE_SIZE",
@@ -70,17 +71,11 @@ _SlotIdentity = tuple[
 
 def _hook_ids(m: nn.Module) -> tuple[int, ...]:
     """The ids of the module's forward and backward hooks: a hook registered or removed since the
-    plan was made changes them (each registration takes a new id), and the structure, which
-    carries the hooks, is sent again."""
-    return (
-        *m._forward_pre_hooks,
-        -1,
-        *m._forward_hooks,
-        -1,
-        *m._backward_pre_hooks,
-        -1,
-        *m._backward_hooks,
-    )
+    plan was made changes them, and the structure, which carries the hooks, is sent again. Each
+    registration, of any hook anywhere, takes the next ``RemovableHandle.next_id``: while it
+    stays, only a removal can have changed them, on a module that had hooks."""
+    # Ids are unique across every dict (one counter): no separators needed, and () when none.
+    return (*m._forward_pre_hooks, *m._forward_hooks, *m._backward_pre_hooks, *m._backward_hooks)
 
 
 class SendPlan:
@@ -91,6 +86,7 @@ class SendPlan:
         "buffer_ties",
         "checks",
         "fingerprint",
+        "hook_count",
         "param_reads",
         "pinned_buffers",
         "structure",
@@ -98,6 +94,7 @@ class SendPlan:
     )
 
     def __init__(self, module: nn.Module, describe: Callable[[], str]) -> None:
+        self.hook_count = RemovableHandle.next_id  # read first: a later hook compares all
         modules = list(module.modules())
         index = {id(m): i for i, m in enumerate(modules)}
         params: list[torch.Tensor] = []
@@ -194,6 +191,8 @@ class SendPlan:
     def still_valid(self, modules: tuple[nn.Module, ...]) -> bool:
         """Whether every slot the plan depends on is as it was (else the structure is sent
         again); O(#slots) with C-level loops (``map``): this runs on every call."""
+        hook_count = RemovableHandle.next_id
+        registered = hook_count != self.hook_count  # a hook somewhere since: compare every module
         for m, (p_names, p_objs, b_names, b_none, c_names, c_objs, hooks) in zip(
             modules, self.checks, strict=True
         ):
@@ -203,9 +202,11 @@ class SendPlan:
                 and _same(m._modules, c_names, c_objs)
                 and tuple(buffers) == b_names
                 and tuple(map(is_, buffers.values(), repeat(None))) == b_none
-                and _hook_ids(m) == hooks
             ):
                 return False
+            if (registered or hooks) and _hook_ids(m) != hooks:
+                return False
+        self.hook_count = hook_count
         return all(
             modules[k]._buffers.get(name) is modules[k0]._buffers.get(name0)
             for k, name, k0, name0 in self.buffer_ties
