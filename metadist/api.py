@@ -520,7 +520,7 @@ def _encode(call: _Call, remote: list[int], dynamic: bool, copy: bool) -> None:
         call.world_token, call.compression, get_worker_id(call.own) << 40, call.timeout
     )
     memo = transport.CallMemo()
-    copies: dict[int, Any] = {}
+    copies: dict[Any, Any] = {}
     for i in remote:
         name, p_args, p_kwargs = call.parts[i]
         e_args, e_kwargs, decode, call.new_structures[i], sources = transport.encode(

@@ -515,26 +515,41 @@ def encode(
     return new_args, new_kwargs, True, tuple(new_structures), list(sources.values())
 
 
-def snapshot(tree: Any, copies: dict[int, Any]) -> Any:
-    """``tree`` (encoded arguments) with copies of its tensors, one per tensor and wire object
-    (``copies``, shared by a call's partitions, keeps identity): an asynchronous call returns
-    before RPC has read the tensors, and the caller may change them in place meanwhile."""
+def snapshot(tree: Any, copies: dict[Any, Any]) -> Any:
+    """``tree`` (encoded arguments) with copies of its tensors: an asynchronous call returns
+    before RPC has read them, and the caller may change them in place meanwhile. ``copies``,
+    shared by a call's partitions, keeps identity and memory sharing: one copy per tensor, wire
+    object and storage (views of one tensor stay views of one copy, as RPC sends them)."""
     leaves, spec = tree_flatten(tree)
     return tree_unflatten([_copy(leaf, copies) for leaf in leaves], spec)
 
 
-def _copy(obj: Any, copies: dict[int, Any]) -> Any:
+def _copy(obj: Any, copies: dict[Any, Any]) -> Any:
     if not isinstance(obj, (torch.Tensor, _Wire)):
         return obj
     copied = copies.get(id(obj))
     if copied is None:
         if isinstance(obj, torch.Tensor):
-            copied = obj.clone()
+            copied = _copy_tensor(obj, copies)
         else:
             names: tuple[str, ...] = obj.__slots__  # the fields, in order (see _Wire)
             copied = type(obj)(*(snapshot(getattr(obj, name), copies) for name in names))
         copies[id(obj)] = copied
     return copied
+
+
+def _copy_tensor(t: torch.Tensor, copies: dict[Any, Any]) -> torch.Tensor:
+    if t.layout != torch.strided:
+        return t.clone()  # sparse: no storage of its own to share
+    storage = t.untyped_storage()
+    key = ("storage", storage.device, storage.data_ptr())
+    copied = copies.get(key)
+    if copied is None:
+        copied = copies[key] = storage.clone()
+    with torch.no_grad():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            copied, t.storage_offset(), t.size(), t.stride()
+        )
 
 
 def _submodule_refs(leaves: list[Any]) -> dict[int, Any]:

@@ -2268,6 +2268,11 @@ def wx_sum_kw(*, pair: dict[str, list[torch.Tensor]]) -> torch.Tensor:
     return (w * x).sum()
 
 
+def bump_first(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a.add_(1)
+    return b.clone()
+
+
 def async_calls_read_arguments_when_called(world_size: int) -> None:
     # An asynchronous call returns before RPC has read the tensors: changing them in place
     # right after must not reach the partition, as it does not in one process.
@@ -2291,6 +2296,10 @@ def async_calls_read_arguments_when_called(world_size: int) -> None:
             with torch.no_grad():
                 model.weight.add_(1.0)
             assert_close(future.wait()[0].detach(), expected, f"stepped model, {where}")
+        # The copies keep memory sharing: a view of an argument is still a view of it there.
+        x = torch.zeros(4)
+        future = md.remote_async_call(bump_first, args=(x, x[:2]), partitioner=where)
+        assert future.wait()[0].tolist() == [1.0, 1.0], where
 
 
 @torch.no_grad()  # a decorator over parallelize, with functools.wraps: the worker runs the function
