@@ -121,7 +121,9 @@ class RemoteGradients:
                         graph=item.graph.key,
                         grads=[self._wire(g) for g in item.grads],
                         answer_graph=item.answer_graph,
-                        with_graph=tuple(g is not None and g.requires_grad for g in item.grads),
+                        with_graph=tuple(g is not None and g.requires_grad for g in item.grads)
+                        if create_graph
+                        else (),
                     )
                     for item in items
                 ],

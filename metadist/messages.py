@@ -85,7 +85,7 @@ class GradientItem(NamedTuple):
     """One kept graph in a gradient request: its results' gradients (wired, ``None`` where a
     result got none), and with ``create_graph`` the key to keep the answer's graph under and
     which gradients have a graph on the caller (the answer is differentiated with respect to
-    those)."""
+    those; empty without ``create_graph``)."""
 
     graph: int
     grads: list[Any]

@@ -50,7 +50,9 @@ _Spec = tuple[_Slots, _Slots, _Slots]
 # index into the module, parameter or buffer list), or, for a list, tuple or dict, the recipes of
 # the positions (indices or keys) that hold such references, or, for a set, a list (_Scan.walk).
 _Recipe = tuple[Any, ...] | dict[Any, Any] | list[Any]
-_MODULE, _PARAMETER, _BUFFER = 0, 1, 2
+_MODULE = 0
+_PARAMETER = 1
+_BUFFER = 2
 _METHOD = 3  # a method bound to a registered module (a hook: register_forward_hook(self.f))
 _PARTIAL = 4  # a functools.partial of such references: (_PARTIAL, func's, args', keywords')
 
